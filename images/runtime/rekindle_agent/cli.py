@@ -1,0 +1,46 @@
+"""`rekindle`: the developer and in-pod command line.
+
+Each subcommand lives with the code it drives; this module only wires them up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+
+def _cmd_model_tiny(args: argparse.Namespace) -> int:
+    from rekindle_agent.model import TinyModelSpec, generate_tiny_model
+
+    out = generate_tiny_model(Path(args.out), TinyModelSpec(seed=args.seed))
+    print(out)
+    return 0
+
+
+def _add_model(sub: argparse._SubParsersAction) -> None:
+    model = sub.add_parser("model", help="generate the embedded models")
+    msub = model.add_subparsers(dest="model_cmd", required=True)
+    tiny = msub.add_parser("tiny", help="a seeded random-weight Llama with its own tokenizer")
+    tiny.add_argument("--out", required=True, help="directory to write the model into")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(func=_cmd_model_tiny)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rekindle", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    adders: list[Callable[[argparse._SubParsersAction], None]] = [_add_model]
+    for add in adders:
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Weight dump and fast parallel reload, usable with or without vLLM."""

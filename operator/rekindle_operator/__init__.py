@@ -1,0 +1,1 @@
+"""Rekindle operator: InferenceService and Checkpoint reconciliation (kopf)."""

@@ -1,0 +1,169 @@
+"""The agent's HTTP contract: ports, paths, states, the manifest, and a tiny client.
+
+The operator imports this module, so it must stay stdlib-only: no aiohttp, no
+torch, no vLLM at import time. Everything the operator needs to build a pod's
+command line and to talk to a running agent is here.
+
+Ports (all TCP, in the pod):
+  SERVE_PORT (8000)  the OpenAI API, as a reverse proxy in front of vLLM. No
+                     agent token: vLLM's own --api-key applies if the user set one.
+                     While the agent drains or checkpoints, new requests get
+                     503 with Retry-After (retryable).
+  ADMIN_PORT (8081)  the agent's control API: /healthz and /readyz without a
+                     token (kubelet probes cannot send one), everything else
+                     (/v1/status, /v1/checkpoint, /metrics) needs
+                     `Authorization: Bearer <token>`.
+  VLLM_PORT (18000)  vLLM itself, bound to 127.0.0.1 only; never exposed.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypedDict
+
+SERVE_PORT = 8000
+ADMIN_PORT = 8081
+VLLM_PORT = 18000
+
+# Admin API paths.
+PATH_HEALTHZ = "/healthz"
+PATH_READYZ = "/readyz"
+PATH_STATUS = "/v1/status"
+PATH_CHECKPOINT = "/v1/checkpoint"
+PATH_METRICS = "/metrics"
+
+# Files in the pod (defaults of the agent's flags; see docs/agent.md).
+DEFAULT_TOKEN_FILE = "/var/run/rekindle/token"  # a Secret mounted read-only
+DEFAULT_RUN_DIR = "/tmp/rekindle-agent"  # vLLM's log and TMPDIR; same path in every pod
+TOKEN_ENV = "REKINDLE_AGENT_TOKEN_FILE"
+CRIU_ENV = "REKINDLE_CRIU"
+
+# Checkpoint directory layout.
+MANIFEST_NAME = "manifest.json"
+VERIFIED_NAME = "verified"
+IMAGES_SUBDIR = "images"
+SHM_SUBDIR = "shm"
+FILES_SUBDIR = "files"
+WEIGHTS_SUBDIR = "weights"
+MANIFEST_FORMAT = 1
+
+State = Literal["Booting", "Ready", "Draining", "Checkpointing", "Restoring", "Failed"]
+STATES: tuple[State, ...] = ("Booting", "Ready", "Draining", "Checkpointing", "Restoring", "Failed")
+Origin = Literal["none", "booted", "restored"]
+RestorePolicy = Literal["never", "if-present", "require"]
+RESTORE_POLICIES: tuple[RestorePolicy, ...] = ("never", "if-present", "require")
+
+# Low-cardinality fallback reasons (metrics label and status.last_fallback.reason).
+FALLBACK_REASONS = (
+    "no_checkpoint",
+    "manifest_invalid",
+    "not_verified",
+    "fingerprint_mismatch",
+    "file_missing",
+    "checksum_mismatch",
+    "shm_restore_failed",
+    "criu_restore_failed",
+    "wake_failed",
+    "verify_failed",
+)
+
+
+class FileEntry(TypedDict):
+    path: str  # relative to the checkpoint directory
+    size: int
+    sha256: str
+
+
+class Manifest(TypedDict, total=False):
+    """manifest.json of a checkpoint directory (format MANIFEST_FORMAT)."""
+
+    format: int
+    created_at: float
+    agent_version: str
+    fingerprint: dict[str, Any]  # what must match for a restore (see fingerprint.py)
+    environment: dict[str, Any]  # recorded, not enforced (kernel, CRIU version, host)
+    vllm: dict[str, Any]  # argv, port, root pid, all pids of the tree, run_dir
+    weights: dict[str, Any]  # released: bool, dir, reason
+    shm_files: list[dict[str, Any]]  # name, size, mode (saved under shm/)
+    extra_files: list[dict[str, Any]]  # absolute path -> saved copy under files/
+    criu: dict[str, Any]  # binary, version, dump flags
+    files: list[FileEntry]
+    timings: dict[str, float]  # seconds per checkpoint phase
+    verified: dict[str, Any]  # set once a restore from it served
+
+
+@dataclass
+class StatusReply:
+    """GET /v1/status, parsed."""
+
+    state: State
+    origin: Origin
+    ready: bool
+    checkpoint: str | None
+    timings: dict[str, dict[str, float]] = field(default_factory=dict)
+    last_fallback: dict[str, Any] | None = None
+    raw: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> StatusReply:
+        return cls(
+            state=data["state"],
+            origin=data.get("origin", "none"),
+            ready=bool(data.get("ready", False)),
+            checkpoint=data.get("checkpoint"),
+            timings=data.get("timings", {}),
+            last_fallback=data.get("last_fallback"),
+            raw=data,
+        )
+
+
+class AgentError(RuntimeError):
+    """The agent answered with an error status; .status and .body say which."""
+
+    def __init__(self, status: int, body: str) -> None:
+        super().__init__(f"agent answered HTTP {status}: {body[:500]}")
+        self.status = status
+        self.body = body
+
+
+class AgentClient:
+    """Stdlib client of the admin API (the operator's side)."""
+
+    def __init__(self, base_url: str, token: str, timeout: float = 30.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.token = token
+        self.timeout = timeout
+
+    def _call(
+        self, method: str, path: str, body: object | None = None, timeout: float | None = None
+    ) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.base_url + path, data=data, method=method)
+        req.add_header("Authorization", f"Bearer {self.token}")
+        if data is not None:
+            req.add_header("Content-Type", "application/json")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout or self.timeout) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as e:
+            raise AgentError(e.code, e.read().decode(errors="replace")) from e
+        return json.loads(raw) if raw else None
+
+    def status(self) -> StatusReply:
+        return StatusReply.from_json(self._call("GET", PATH_STATUS))
+
+    def checkpoint(self, directory: str, timeout: float = 900.0) -> Manifest:
+        """Drain, dump, verify by restoring; returns the manifest. Blocks until done."""
+        out: Manifest = self._call("POST", PATH_CHECKPOINT, {"dir": directory}, timeout=timeout)
+        return out
+
+    def ready(self) -> bool:
+        req = urllib.request.Request(self.base_url + PATH_READYZ)
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                return bool(resp.status == 200)
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return False

@@ -1,0 +1,68 @@
+# Rekindle: every entry point a developer or CI needs. `make help` lists them.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+.ONESHELL:
+.SHELLFLAGS := -eu -o pipefail -c
+
+REPO        := $(CURDIR)
+VENV        := $(shell scripts/python-env --path)
+PY          := $(VENV)/bin/python
+K8S_BIN     := $(shell . scripts/lib/common.sh && echo $$REKINDLE_CACHE/kubernetes-$$K8S_VERSION/bin)
+# The project runs from its source tree; the shared env holds dependencies only.
+export PYTHONPATH := $(REPO)/operator:$(REPO)/images/runtime
+export KUBECONFIG := $(shell scripts/local-cluster kubeconfig)
+export PATH       := $(VENV)/bin:$(K8S_BIN):$(PATH)
+PYTEST      := $(PY) -m pytest
+FAST        := not cluster and not criu and not vllm and not gpu
+
+.PHONY: help env lint fmt typecheck test test-unit test-criu test-vllm test-cluster \
+        cluster-up cluster-down cluster-status images demo clean-cache
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-15s %s\n", $$1, $$2}'
+
+env: ## build (or reuse) the Python env: dev tools + the vLLM CPU runtime
+	@scripts/python-env >/dev/null
+
+lint: env ## ruff (lint + format check) and mypy
+	ruff check .
+	ruff format --check .
+	mypy
+
+fmt: env ## format and autofix with ruff
+	ruff format .
+	ruff check --fix .
+
+test: lint test-unit test-criu test-vllm test-cluster ## everything: lint, unit, CRIU, vLLM and cluster suites
+
+test-unit: env ## fast tests: pure logic, no root, no servers
+	$(PYTEST) -m "$(FAST)"
+
+test-criu: env ## real CRIU dump/restore (root); builds CRIU on a cache miss
+	scripts/build-criu >/dev/null
+	$(PYTEST) -m "criu and not vllm"
+
+test-vllm: env ## real vLLM CPU server: agent and weight reloader
+	scripts/build-criu >/dev/null
+	$(PYTEST) -m vllm
+
+test-cluster: env cluster-up images ## the real local cluster: node, operator, chart
+	$(PYTEST) -m cluster
+
+cluster-up: ## start the embedded local Kubernetes node (idempotent)
+	scripts/local-cluster up
+
+cluster-down: ## stop it (only what cluster-up started)
+	scripts/local-cluster down
+
+cluster-status: ## components, node state, kubeconfig path
+	scripts/local-cluster status
+
+images: cluster-up ## build the local images and load them into the node
+	scripts/local-cluster load-image "$$(scripts/build-image smoke)"
+
+demo: env cluster-up images ## the main job, end to end, on the local cluster
+	scripts/demo
+
+clean-cache: ## forget every cached build (Kubernetes, CRIU, Python env, images)
+	rm -rf $${REKINDLE_CACHE:-$$HOME/.cache/rekindle}

@@ -1,0 +1,3 @@
+module rekindle.dev/pause
+
+go 1.22

@@ -1,0 +1,47 @@
+"""Fixtures for suites that run against the real local cluster (scripts/local-cluster)."""
+
+from __future__ import annotations
+
+import subprocess
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from tests.cluster.kube import ENV, SCRIPTS, kubectl, wait_until
+
+
+@pytest.fixture(scope="session")
+def cluster() -> dict[str, str]:
+    """The local cluster must be up (`make cluster-up`); the environment to reach it."""
+    status = subprocess.run(
+        [str(SCRIPTS / "local-cluster"), "status"], capture_output=True, text=True
+    )
+    if status.returncode != 0:
+        pytest.fail(f"the local cluster is not up; run `make cluster-up`\n{status.stdout}")
+    return ENV
+
+
+@pytest.fixture()
+def namespace(cluster: dict[str, str]) -> Iterator[str]:
+    """A fresh namespace per test, deleted (with everything in it) afterwards."""
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    kubectl("create", "namespace", name)
+    # Pods cannot be created until the namespace's default ServiceAccount exists.
+    wait_until(
+        "the default ServiceAccount",
+        lambda: kubectl("get", "sa", "default", "-n", name, check=False).returncode == 0,
+        60,
+    )
+    yield name
+    kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="session")
+def smoke_image(cluster: dict[str, str]) -> str:
+    """A locally built busybox image, loaded into the node."""
+    archive = subprocess.run(
+        [str(SCRIPTS / "build-image"), "smoke"], check=True, stdout=subprocess.PIPE, text=True
+    ).stdout.strip()
+    subprocess.run([str(SCRIPTS / "local-cluster"), "load-image", archive], check=True)
+    return "rekindle.local/smoke:dev"

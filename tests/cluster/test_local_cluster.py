@@ -1,0 +1,162 @@
+"""The embedded local cluster is a real, usable Kubernetes node."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.cluster.kube import helm, kubectl, kubectl_json, wait_until
+
+pytestmark = pytest.mark.cluster
+CHART = Path(__file__).parent / "charts" / "hello"
+
+
+def pod_yaml(name: str, image: str, shm_limit: str | None = None) -> str:
+    volumes = mounts = ""
+    if shm_limit:
+        volumes = f"""
+  volumes:
+  - name: dshm
+    emptyDir: {{medium: Memory, sizeLimit: {shm_limit}}}"""
+        mounts = """
+    volumeMounts:
+    - {name: dshm, mountPath: /dev/shm}"""
+    return textwrap.dedent(f"""\
+        apiVersion: v1
+        kind: Pod
+        metadata: {{name: {name}}}
+        spec:
+          terminationGracePeriodSeconds: 0
+          containers:
+          - name: main
+            image: {image}
+            imagePullPolicy: Never
+            args: ["echo started; sleep 3600"]""") + mounts + volumes + "\n"
+
+
+def run_pod(namespace: str, name: str, image: str, shm_limit: str | None = None) -> None:
+    kubectl("apply", "-n", namespace, "-f", "-", input=pod_yaml(name, image, shm_limit))
+    kubectl("wait", "-n", namespace, "--for=condition=Ready", f"pod/{name}", "--timeout=120s")
+
+
+def shm_kib(namespace: str, pod: str) -> int:
+    out = kubectl("exec", "-n", namespace, pod, "--", "df", "-k", "/dev/shm").stdout
+    return int(out.splitlines()[-1].split()[1])
+
+
+def test_node_is_ready(cluster: dict[str, str]) -> None:
+    nodes = kubectl_json("get", "nodes")["items"]
+    assert len(nodes) == 1
+    ready = {c["type"]: c["status"] for c in nodes[0]["status"]["conditions"]}["Ready"]
+    assert ready == "True"
+    assert nodes[0]["status"]["nodeInfo"]["kubeletVersion"] == "v1.35.4"
+
+
+def test_crd_roundtrip(namespace: str) -> None:
+    crd = textwrap.dedent("""\
+        apiVersion: apiextensions.k8s.io/v1
+        kind: CustomResourceDefinition
+        metadata: {name: widgets.smoke.rekindle.dev}
+        spec:
+          group: smoke.rekindle.dev
+          scope: Namespaced
+          names: {plural: widgets, singular: widget, kind: Widget}
+          versions:
+          - name: v1
+            served: true
+            storage: true
+            schema:
+              openAPIV3Schema:
+                type: object
+                properties:
+                  spec:
+                    type: object
+                    properties: {size: {type: integer, minimum: 1}}
+        """)
+    kubectl("apply", "-f", "-", input=crd)
+    try:
+        kubectl(
+            "wait", "--for=condition=Established", "crd/widgets.smoke.rekindle.dev", "--timeout=60s"
+        )
+        obj = "apiVersion: smoke.rekindle.dev/v1\nkind: Widget\nmetadata: {name: w1}\nspec: {size: 3}\n"
+        kubectl("apply", "-n", namespace, "-f", "-", input=obj)
+        assert kubectl_json("get", "-n", namespace, "widget", "w1")["spec"] == {"size": 3}
+        bad = obj.replace("size: 3", "size: 0")
+        refused = kubectl("apply", "-n", namespace, "-f", "-", input=bad, check=False)
+        assert refused.returncode != 0
+        assert "spec.size" in refused.stderr
+    finally:
+        kubectl("delete", "crd", "widgets.smoke.rekindle.dev", "--wait=false", check=False)
+
+
+def test_dev_shm_is_sized_by_memory_emptydir(namespace: str, smoke_image: str) -> None:
+    run_pod(namespace, "sized", smoke_image, shm_limit="2Gi")
+    run_pod(namespace, "default", smoke_image)
+    assert shm_kib(namespace, "sized") == 2 * 1024 * 1024
+    # containerd's runtime default, which is what breaks vLLM without Rekindle.
+    assert shm_kib(namespace, "default") == 64 * 1024
+
+
+def test_logs_and_exec(namespace: str, smoke_image: str) -> None:
+    run_pod(namespace, "chatty", smoke_image)
+    wait_until(
+        "the container's log line",
+        lambda: "started" in kubectl("logs", "-n", namespace, "chatty").stdout,
+        30,
+    )
+    out = kubectl("exec", "-n", namespace, "chatty", "--", "sh", "-c", "echo $((6 * 7))")
+    assert out.stdout.strip() == "42"
+
+
+def test_deployment_scales_0_2_0(namespace: str, smoke_image: str) -> None:
+    deploy = textwrap.dedent(f"""\
+        apiVersion: apps/v1
+        kind: Deployment
+        metadata: {{name: scaler}}
+        spec:
+          replicas: 0
+          selector: {{matchLabels: {{app: scaler}}}}
+          template:
+            metadata: {{labels: {{app: scaler}}}}
+            spec:
+              terminationGracePeriodSeconds: 0
+              containers:
+              - {{name: main, image: {smoke_image}, imagePullPolicy: Never}}
+        """)
+    kubectl("apply", "-n", namespace, "-f", "-", input=deploy)
+
+    def ready_pods() -> list[dict]:
+        pods = kubectl_json("get", "pods", "-n", namespace, "-l", "app=scaler")["items"]
+        return [
+            p
+            for p in pods
+            if p["metadata"].get("deletionTimestamp") is None
+            and any(
+                c["type"] == "Ready" and c["status"] == "True"
+                for c in p["status"].get("conditions", [])
+            )
+        ]
+
+    assert ready_pods() == []
+    kubectl("scale", "-n", namespace, "deployment/scaler", "--replicas=2")
+    wait_until("2 ready pods", lambda: len(ready_pods()) == 2)
+    images = {c["image"] for p in ready_pods() for c in p["spec"]["containers"]}
+    assert images == {smoke_image}
+    kubectl("scale", "-n", namespace, "deployment/scaler", "--replicas=0")
+    wait_until(
+        "no pods",
+        lambda: kubectl_json("get", "pods", "-n", namespace, "-l", "app=scaler")["items"] == [],
+    )
+
+
+def test_helm_install_and_uninstall(namespace: str, smoke_image: str) -> None:
+    helm("install", "hello", str(CHART), "-n", namespace, "--set", f"image={smoke_image}", "--wait")
+    cm = kubectl_json("get", "configmap", "-n", namespace, "hello-greeting")
+    assert cm["data"]["greeting"] == "hello from helm"
+    assert "hello" in helm("list", "-n", namespace, "-q").stdout.split()
+    helm("uninstall", "hello", "-n", namespace, "--wait")
+    gone = kubectl("get", "configmap", "-n", namespace, "hello-greeting", check=False)
+    assert gone.returncode != 0 and "NotFound" in gone.stderr
+    assert helm("list", "-n", namespace, "-q").stdout.strip() == ""

@@ -1,0 +1,564 @@
+"""Fast parallel reload of a dump (format.py) into existing tensors, in place.
+
+Two paths, chosen by where the tensors live:
+
+- Host tensors (CPU serving): reader threads `preadv` the file straight into
+  the tensors' own memory, one chunk each, so the only copy is the kernel's
+  page-cache copy. The GIL is released for the whole read.
+- Device tensors (GPU), or host tensors with O_DIRECT: reader threads fill a
+  ring of pinned, page-aligned host buffers and hand each to a copy engine
+  (`CudaCopyEngine`: one CUDA stream per reader, asynchronous copies); a
+  buffer is reused only after the copy that reads it has finished (an event),
+  so reads of the next chunk overlap the copy of the previous one.
+
+Tensors are refilled in place: the same storage, so CUDA graphs, views and
+any pointer held elsewhere stay valid. The index is checked against the
+tensors (names, dtypes, shapes) before a single byte is written; a short
+file or a checksum mismatch raises WeightsFormatError naming the tensor.
+Checksums are verified per 8 MiB block by the reader that read it (on by
+default; `verify_file` checks a dump without loading it, e.g. while it is
+prefetched into the page cache, after which reload can skip verification).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+from rekindle_agent.weights import format as fmt
+from rekindle_agent.weights.tensors import (
+    byte_tensor,
+    dtype_name,
+    host_bytes,
+    is_dense,
+    nbytes,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+MiB = 1 << 20
+
+
+def default_threads(device: str = "cpu") -> int:
+    """Readers: the CPU count (page-cache copies are CPU work), at least 2 for overlap, at most 8."""
+    cpus = os.cpu_count() or 2
+    return max(2, min(8, cpus))
+
+
+@dataclass(frozen=True)
+class ReloadOptions:
+    """Knobs with measured defaults (docs/weights.md); every one can be overridden."""
+
+    threads: int | None = None  # None: default_threads()
+    chunk_bytes: int | None = None  # None: 8 MiB host path, 32 MiB staged path
+    buffers: int | None = None  # pinned ring size; None: 2 per reader (double-buffered)
+    verify: bool = True  # check each block's CRC-32 as it is read
+    direct: bool = False  # O_DIRECT reads (staged path); falls back where unsupported
+    staged: bool | None = None  # None: staged iff any tensor is on a device
+
+    def resolved_threads(self) -> int:
+        n = self.threads if self.threads is not None else default_threads()
+        if n < 1:
+            raise ValueError(f"threads must be >= 1, got {n}")
+        return n
+
+
+@dataclass(frozen=True)
+class ReloadResult:
+    rank: int
+    bytes: int
+    seconds: float
+    tensors: int
+    threads: int
+    verified: bool
+    path: str  # "host" or "staged"
+    direct: bool
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "rank": self.rank,
+            "bytes": self.bytes,
+            "seconds": round(self.seconds, 6),
+            "gbps": round(self.gbps, 3),
+            "tensors": self.tensors,
+            "threads": self.threads,
+            "verified": self.verified,
+            "path": self.path,
+            "direct": self.direct,
+        }
+
+
+# ---------------------------------------------------------------- planning
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A byte range of one tensor: where it is in the file and in the tensor."""
+
+    tensor: int  # position in the index's tensor list
+    tensor_offset: int
+    length: int
+    file_offset: int
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One read: a contiguous file range holding one or more pieces."""
+
+    file_offset: int
+    length: int
+    pieces: tuple[Piece, ...]
+
+
+def plan_chunks(
+    entries: Sequence[fmt.TensorEntry], chunk_bytes: int, pack: bool
+) -> list[Chunk]:
+    """Split tensors into reads of at most chunk_bytes, in file order.
+
+    Big tensors are cut at multiples of chunk_bytes (so readers share them);
+    with pack, consecutive small tensors share one read (one buffer, fewer
+    syscalls). Empty tensors need no read.
+    """
+    if chunk_bytes <= 0 or chunk_bytes % fmt.ALIGN:
+        raise ValueError(f"chunk_bytes must be a positive multiple of {fmt.ALIGN}")
+    order = sorted(range(len(entries)), key=lambda i: entries[i].offset)
+    chunks: list[Chunk] = []
+    cur: list[Piece] = []
+
+    def flush() -> None:
+        if cur:
+            start = cur[0].file_offset
+            end = cur[-1].file_offset + cur[-1].length
+            chunks.append(Chunk(start, end - start, tuple(cur)))
+            cur.clear()
+
+    for i in order:
+        e = entries[i]
+        for toff in range(0, e.nbytes, chunk_bytes):
+            p = Piece(i, toff, min(chunk_bytes, e.nbytes - toff), e.offset + toff)
+            if not (pack and cur and p.file_offset + p.length - cur[0].file_offset <= chunk_bytes):
+                flush()
+            cur.append(p)
+    flush()
+    return chunks
+
+
+def validate(
+    index: fmt.WeightIndex, tensors: Mapping[str, torch.Tensor]
+) -> list[torch.Tensor]:
+    """The tensors in index order, after checking the dump describes exactly these tensors.
+
+    Runs before any write, so a mismatched dump never half-loads a model.
+    """
+    by_name = {e.name: e for e in index.tensors}
+    missing = [n for n in tensors if n not in by_name]
+    if missing:
+        raise fmt.WeightsFormatError(
+            f"the dump has no tensor {missing[0]!r} that the model has "
+            f"({len(missing)} missing): it was made from a different model or configuration"
+        )
+    out = []
+    for e in index.tensors:
+        t = tensors.get(e.name)
+        if t is None:
+            raise fmt.WeightsFormatError(
+                f"the dump has tensor {e.name!r} that the model lacks: "
+                "it was made from a different model or configuration"
+            )
+        shape = tuple(int(s) for s in t.shape)
+        if dtype_name(t) != e.dtype or shape != e.shape:
+            raise fmt.WeightsFormatError(
+                f"tensor {e.name!r}: the dump has {e.dtype}{list(e.shape)}, "
+                f"the model has {dtype_name(t)}{list(shape)}"
+            )
+        if nbytes(t) != e.nbytes:
+            raise fmt.WeightsFormatError(
+                f"tensor {e.name!r}: the dump has {e.nbytes} bytes, the model {nbytes(t)}"
+            )
+        out.append(t)
+    return out
+
+
+# ---------------------------------------------------------------- reading
+
+
+def read_exact(fd: int, buf: memoryview, offset: int, what: str, path: str) -> None:
+    """Fill buf from fd at offset, looping over short reads; EOF is a truncated dump."""
+    got = 0
+    while got < len(buf):
+        n = os.preadv(fd, [buf[got:]], offset + got)
+        if n == 0:
+            raise fmt.WeightsFormatError(
+                f"{path}: {what}: the file ends at byte {offset + got}, "
+                f"{len(buf) - got} bytes short (truncated dump)"
+            )
+        got += n
+
+
+def check_blocks(
+    entry: fmt.TensorEntry, tensor_offset: int, data: memoryview, block_bytes: int, path: str
+) -> None:
+    """Compare the CRCs of data (bytes tensor_offset.. of entry) with the index."""
+    first = tensor_offset // block_bytes
+    got = fmt.block_crcs(data, block_bytes)
+    want = entry.block_checksums()[first : first + len(got)]
+    if got != want:
+        bad = next(i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b)
+        start = (first + bad) * block_bytes
+        raise fmt.WeightsFormatError(
+            f"{path}: tensor {entry.name!r}: checksum mismatch in bytes "
+            f"{start}..{min(start + block_bytes, entry.nbytes)} (corrupt dump)"
+        )
+
+
+def run_threads(threads: int, count: int, work: Callable[[int], None], name: str) -> None:
+    """Call work(i) for every i < count from `threads` threads, in order of i.
+
+    The first exception stops the others (after their current item) and is
+    raised here, so a failed read is never mistaken for a finished reload.
+    """
+    lock = threading.Lock()
+    state = {"next": 0}
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            with lock:
+                i = state["next"]
+                if i >= count:
+                    return
+                state["next"] = i + 1
+            try:
+                work(i)
+            except BaseException as e:
+                errors.append(e)
+                stop.set()
+                return
+
+    pool = [
+        threading.Thread(target=loop, name=f"{name}-{k}", daemon=True)
+        for k in range(min(threads, count))
+    ]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+# ---------------------------------------------------------------- copy engines
+
+
+class CopyEngine(Protocol):
+    """Moves bytes from a staging buffer to a tensor; copies may be asynchronous."""
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
+
+    def record(self) -> object:
+        """A fence for the copies this thread issued so far."""
+        ...
+
+    def wait(self, fence: object) -> None:
+        """Block until the copies behind fence have finished reading their source."""
+        ...
+
+    def finish(self) -> None:
+        """Block until every copy issued by any thread has finished."""
+        ...
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        """A host staging buffer (pinned for DMA where that exists)."""
+        ...
+
+
+class HostCopyEngine:
+    """Synchronous host-to-host copies (the O_DIRECT host path, and tests)."""
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)
+
+    def record(self) -> object:
+        return None
+
+    def wait(self, fence: object) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        import torch
+
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+
+class CudaCopyEngine:
+    """Asynchronous host-to-device copies, one CUDA stream per reader thread."""
+
+    def __init__(self, device: torch.device) -> None:
+        import torch
+
+        self.device = device
+        self._local = threading.local()
+        self._streams: list[torch.cuda.Stream] = []
+        self._lock = threading.Lock()
+
+    def _stream(self) -> torch.cuda.Stream:
+        import torch
+
+        s = getattr(self._local, "stream", None)
+        if s is None:
+            s = torch.cuda.Stream(device=self.device)
+            self._local.stream = s
+            with self._lock:
+                self._streams.append(s)
+        return s
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        import torch
+
+        with torch.cuda.stream(self._stream()):
+            dst.copy_(src, non_blocking=True)
+
+    def record(self) -> object:
+        import torch
+
+        ev = torch.cuda.Event()
+        ev.record(self._stream())
+        return ev
+
+    def wait(self, fence: object) -> None:
+        if fence is not None:
+            fence.synchronize()  # type: ignore[attr-defined]
+
+    def finish(self) -> None:
+        for s in self._streams:
+            s.synchronize()
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        import torch
+
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+def _aligned(raw: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """The page-aligned nbytes-long slice of raw (O_DIRECT needs aligned addresses)."""
+    skip = (-raw.data_ptr()) % fmt.ALIGN
+    return raw[skip : skip + nbytes]
+
+
+@dataclass
+class _Slot:
+    buf: torch.Tensor
+    fence: object = None
+
+
+@dataclass
+class _Targets:
+    """Where each index entry's bytes go: the tensor itself, or a dense stand-in."""
+
+    tensors: list[torch.Tensor]
+    dests: list[torch.Tensor] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.dests = [t if is_dense(t) else t.contiguous() for t in self.tensors]
+
+    def write_back(self) -> None:
+        """Copy the stand-ins of non-contiguous tensors into them (rare: vLLM's are dense)."""
+        for t, d in zip(self.tensors, self.dests, strict=True):
+            if d is not t:
+                t.copy_(d)
+
+
+def _open(path: str, direct: bool) -> tuple[int, bool]:
+    if direct and hasattr(os, "O_DIRECT"):
+        try:
+            return os.open(path, os.O_RDONLY | os.O_DIRECT), True
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+    return os.open(path, os.O_RDONLY), False
+
+
+def _host_reload(
+    index: fmt.WeightIndex, path: str, targets: _Targets, threads: int, chunk: int, verify: bool
+) -> None:
+    chunks = plan_chunks(index.tensors, chunk, pack=False)
+    views = [host_bytes(d) for d in targets.dests]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+
+        def work(i: int) -> None:
+            (p,) = chunks[i].pieces
+            e = index.tensors[p.tensor]
+            mv = views[p.tensor][p.tensor_offset : p.tensor_offset + p.length]
+            read_exact(fd, mv, p.file_offset, f"tensor {e.name!r}", path)
+            if verify:
+                check_blocks(e, p.tensor_offset, mv, index.block_bytes, path)
+
+        run_threads(threads, len(chunks), work, "rekindle-read")
+    finally:
+        os.close(fd)
+
+
+def _staged_reload(
+    index: fmt.WeightIndex,
+    path: str,
+    targets: _Targets,
+    engine: CopyEngine,
+    threads: int,
+    chunk: int,
+    buffers: int,
+    verify: bool,
+    direct: bool,
+) -> bool:
+    """Read into a ring of staging buffers and copy from there; returns whether O_DIRECT ran."""
+    chunks = plan_chunks(index.tensors, chunk, pack=True)
+    buf_bytes = fmt.align_up(max((c.length for c in chunks), default=fmt.ALIGN))
+    slots = queue.SimpleQueue[_Slot]()
+    for _ in range(max(buffers, threads)):
+        slots.put(_Slot(_aligned(engine.alloc(buf_bytes + fmt.ALIGN), buf_bytes)))
+    dest_bytes = [byte_tensor(d) for d in targets.dests]
+    fd, used_direct = _open(path, direct)
+    try:
+
+        def work(i: int) -> None:
+            c = chunks[i]
+            slot = slots.get()
+            try:
+                engine.wait(slot.fence)  # the copy out of this buffer must be done
+                slot.fence = None
+                span = fmt.align_up(c.length) if used_direct else c.length
+                mv = host_bytes(slot.buf)[:span]
+                first = index.tensors[c.pieces[0].tensor].name
+                read_exact(fd, mv, c.file_offset, f"tensor {first!r}", path)
+                for p in c.pieces:
+                    at = p.file_offset - c.file_offset
+                    e = index.tensors[p.tensor]
+                    if verify:
+                        check_blocks(e, p.tensor_offset, mv[at : at + p.length], index.block_bytes,
+                                     path)
+                    dst = dest_bytes[p.tensor][p.tensor_offset : p.tensor_offset + p.length]
+                    engine.copy(dst, slot.buf[at : at + p.length])
+                slot.fence = engine.record()
+            finally:
+                slots.put(slot)
+
+        try:
+            run_threads(threads, len(chunks), work, "rekindle-read")
+        finally:
+            engine.finish()  # never free a buffer a copy still reads
+    finally:
+        os.close(fd)
+    return used_direct
+
+
+def _engine_for(tensors: Iterable[torch.Tensor]) -> CopyEngine:
+    devices = {t.device for t in tensors if t.device.type != "cpu"}
+    if not devices:
+        return HostCopyEngine()
+    if len(devices) > 1 or next(iter(devices)).type != "cuda":
+        raise ValueError(f"reload supports CPU tensors or one CUDA device, got {devices}")
+    return CudaCopyEngine(next(iter(devices)))
+
+
+def load_into(
+    index: fmt.WeightIndex,
+    data_file: Path | str,
+    tensors: Sequence[torch.Tensor],
+    options: ReloadOptions | None = None,
+    engine: CopyEngine | None = None,
+) -> ReloadResult:
+    """Fill tensors (index order, already validated) from data_file."""
+    opts = options or ReloadOptions()
+    t0 = time.perf_counter()
+    path = str(data_file)
+    threads = opts.resolved_threads()
+    targets = _Targets(list(tensors))
+    engine = engine or _engine_for(targets.tensors)
+    staged = opts.staged
+    if staged is None:
+        staged = opts.direct or not isinstance(engine, HostCopyEngine)
+    default_chunk = 32 * MiB if staged else 8 * MiB
+    chunk = opts.chunk_bytes or default_chunk
+    if opts.verify:
+        # Pieces must start on checksum-block boundaries to be checked on their own.
+        chunk = max(index.block_bytes, chunk // index.block_bytes * index.block_bytes)
+    used_direct = False
+    if staged:
+        buffers = opts.buffers if opts.buffers is not None else 2 * threads
+        used_direct = _staged_reload(
+            index, path, targets, engine, threads, chunk, buffers, opts.verify, opts.direct
+        )
+    else:
+        _host_reload(index, path, targets, threads, chunk, opts.verify)
+    targets.write_back()
+    return ReloadResult(
+        rank=index.rank,
+        bytes=index.data_bytes,
+        seconds=time.perf_counter() - t0,
+        tensors=len(index.tensors),
+        threads=threads,
+        verified=opts.verify,
+        path="staged" if staged else "host",
+        direct=used_direct,
+    )
+
+
+def reload_tensors(
+    directory: Path | str,
+    tensors: Mapping[str, torch.Tensor],
+    rank: int = 0,
+    options: ReloadOptions | None = None,
+    engine: CopyEngine | None = None,
+) -> ReloadResult:
+    """Refill the named tensors in place from directory's dump for rank (validated first)."""
+    index = fmt.read_index(directory, rank)
+    ordered = validate(index, tensors)
+    return load_into(index, fmt.data_path(directory, rank), ordered, options, engine)
+
+
+def verify_file(directory: Path | str, rank: int = 0, threads: int | None = None) -> int:
+    """Check every block of a dump against its index without loading it; returns bytes checked.
+
+    Reading the file also brings it into the page cache, so the agent can run
+    this as its prefetch, off the restore's critical path, then reload with
+    verify=False.
+    """
+    index = fmt.read_index(directory, rank)
+    path = str(fmt.data_path(directory, rank))
+    chunks = plan_chunks(index.tensors, index.block_bytes * 4, pack=False)
+    n = threads or default_threads()
+    local = threading.local()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+
+        def work(i: int) -> None:
+            buf = getattr(local, "buf", None)
+            if buf is None:
+                buf = local.buf = memoryview(bytearray(index.block_bytes * 4))
+            (p,) = chunks[i].pieces
+            e = index.tensors[p.tensor]
+            mv = buf[: p.length]
+            read_exact(fd, mv, p.file_offset, f"tensor {e.name!r}", path)
+            check_blocks(e, p.tensor_offset, mv, index.block_bytes, path)
+
+        run_threads(n, len(chunks), work, "rekindle-verify")
+    finally:
+        os.close(fd)
+    return index.data_bytes

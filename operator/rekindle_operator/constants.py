@@ -1,0 +1,46 @@
+"""Names shared by the CRDs, the builders, the handlers and the kubectl plugin."""
+
+from __future__ import annotations
+
+GROUP = "rekindle.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+ISVC_PLURAL = "inferenceservices"
+ISVC_KIND = "InferenceService"
+CKPT_PLURAL = "checkpoints"
+CKPT_KIND = "Checkpoint"
+
+# Labels every owned object carries; the Deployment selects on NAME_LABEL only.
+NAME_LABEL = "rekindle.dev/inferenceservice"
+COMPONENT_LABEL = "app.kubernetes.io/component"
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+MANAGED_BY = "rekindle-operator"
+# The Service also requires SERVING_LABEL: removing it from one pod takes that pod
+# out of rotation (for a checkpoint) without its ReplicaSet replacing it, because
+# the Deployment's selector does not include it.
+SERVING_LABEL = "rekindle.dev/serving"
+CHECKPOINT_LABEL = "rekindle.dev/checkpoint"
+
+# Annotations.
+ANN_FINGERPRINT = "rekindle.dev/fingerprint"  # on the pod template: the spec it runs
+ANN_RESTART = "rekindle.dev/restartedAt"  # on the isvc: `kubectl rekindle restore` bumps it
+ANN_BOOT_PATH = "rekindle.dev/boot-path"  # on pods: restored|booted, mirrored from the agent
+ANN_BOOT_REASON = "rekindle.dev/boot-reason"
+
+# Phases.
+ISVC_PHASES = ("Pending", "Progressing", "Ready", "Degraded", "Failed")
+CKPT_PENDING = "Pending"
+CKPT_RUNNING = "Running"
+CKPT_READY = "Ready"
+CKPT_FAILED = "Failed"
+
+# Condition types.
+COND_READY = "Ready"
+COND_CHECKPOINT_READY = "CheckpointReady"
+COND_SHM_SIZED = "SharedMemorySized"
+COND_RESTORED = "Restored"
+
+
+def owned_name(isvc_name: str, suffix: str = "") -> str:
+    """Name of an object the operator creates for an InferenceService."""
+    return f"{isvc_name}-{suffix}" if suffix else isvc_name

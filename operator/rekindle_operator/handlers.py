@@ -1,0 +1,79 @@
+"""kopf handlers: thin wrappers that call the plain functions and report back.
+
+Load with `python -m rekindle_operator` (or `kopf run -m rekindle_operator.handlers`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Any
+
+import kopf
+
+from rekindle_operator import checkpointing, reconcile
+from rekindle_operator.constants import CKPT_PLURAL, GROUP, ISVC_PLURAL, VERSION
+from rekindle_operator.kube import Kube
+
+STATUS_INTERVAL_S = float(os.environ.get("REKINDLE_STATUS_INTERVAL", "5"))
+
+
+@functools.cache
+def kube() -> Kube:
+    return Kube()
+
+
+def _emitter(body: kopf.Body) -> reconcile.Emit:
+    def emit(kind: str, reason: str, message: str) -> None:
+        kopf.event(body, type=kind, reason=reason, message=message)
+
+    return emit
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    settings.peering.standalone = True
+    settings.peering.mandatory = False
+    # Progress and diff-base in annotations under our own prefix: the CRDs'
+    # status schemas stay strict (no status.kopf) and nothing collides with
+    # another kopf operator in the cluster.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration"
+    )
+    settings.persistence.finalizer = f"{GROUP}/finalizer"
+    settings.posting.level = logging.WARNING
+    settings.watching.server_timeout = 300
+    settings.execution.max_workers = 8
+
+
+def _reconcile(body: kopf.Body, patch: kopf.Patch) -> None:
+    patch.status.update(reconcile.reconcile(kube(), body, _emitter(body)))
+
+
+@kopf.on.resume(GROUP, VERSION, ISVC_PLURAL)
+@kopf.on.create(GROUP, VERSION, ISVC_PLURAL)
+@kopf.on.update(GROUP, VERSION, ISVC_PLURAL)
+def isvc_changed(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
+    _reconcile(body, patch)
+
+
+@kopf.timer(GROUP, VERSION, ISVC_PLURAL, interval=STATUS_INTERVAL_S, initial_delay=1)
+def isvc_refresh(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
+    """Level-based catch-up: pod readiness, agent boot reports, new checkpoints."""
+    _reconcile(body, patch)
+
+
+@kopf.on.resume(GROUP, VERSION, CKPT_PLURAL)
+@kopf.on.create(GROUP, VERSION, CKPT_PLURAL)
+def checkpoint_created(body: kopf.Body, **_: Any) -> None:
+    try:
+        checkpointing.run_checkpoint(kube(), body, _emitter(body))
+    except checkpointing.Retry as e:
+        raise kopf.TemporaryError(str(e), delay=e.delay) from e
+
+
+@kopf.on.delete(GROUP, VERSION, CKPT_PLURAL)
+def checkpoint_deleted(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
+    logger.info(checkpointing.delete_data(kube(), body, _emitter(body)))

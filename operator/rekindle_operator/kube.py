@@ -1,0 +1,177 @@
+"""A small synchronous Kubernetes REST client over dicts.
+
+The generated `kubernetes` client changes its typed models between releases;
+the operator only needs GET/POST/PATCH/DELETE of JSON on a handful of paths,
+plus server-side apply. Connection settings (kubeconfig or in-cluster) come
+from the `kubernetes` package's loaders, so auth works the same as kubectl.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import urlencode
+
+import urllib3
+
+from rekindle_operator.constants import CKPT_PLURAL, GROUP, ISVC_PLURAL, VERSION
+
+FIELD_MANAGER = "rekindle-operator"
+
+# kind -> (API prefix, plural); only what the operator touches.
+_RESOURCES: dict[str, tuple[str, str]] = {
+    "Deployment": ("/apis/apps/v1", "deployments"),
+    "Service": ("/api/v1", "services"),
+    "Secret": ("/api/v1", "secrets"),
+    "ConfigMap": ("/api/v1", "configmaps"),
+    "PersistentVolumeClaim": ("/api/v1", "persistentvolumeclaims"),
+    "Pod": ("/api/v1", "pods"),
+    "Event": ("/api/v1", "events"),
+    "Job": ("/apis/batch/v1", "jobs"),
+    "InferenceService": (f"/apis/{GROUP}/{VERSION}", ISVC_PLURAL),
+    "Checkpoint": (f"/apis/{GROUP}/{VERSION}", CKPT_PLURAL),
+}
+
+
+class KubeError(RuntimeError):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+        self.message = message
+
+
+def path(kind: str, namespace: str, name: str | None = None, sub: str | None = None) -> str:
+    prefix, plural = _RESOURCES[kind]
+    p = f"{prefix}/namespaces/{namespace}/{plural}"
+    if name:
+        p += f"/{name}"
+    if sub:
+        p += f"/{sub}"
+    return p
+
+
+def load_configuration(kubeconfig: str | None = None) -> Any:
+    """kubernetes.client.Configuration from in-cluster env, else kubeconfig (KUBECONFIG)."""
+    from kubernetes import client, config
+
+    cfg = client.Configuration()
+    try:
+        if kubeconfig:
+            raise config.ConfigException("explicit kubeconfig")
+        config.load_incluster_config(client_configuration=cfg)
+    except config.ConfigException:
+        config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
+    return cfg
+
+
+class Kube:
+    """JSON over the apiserver's REST API, with the credentials kubectl would use."""
+
+    def __init__(self, configuration: Any | None = None) -> None:
+        self.cfg = configuration if configuration is not None else load_configuration()
+        self.host = str(self.cfg.host).rstrip("/")
+        self.pool = urllib3.PoolManager(
+            num_pools=4,
+            maxsize=8,
+            cert_reqs="CERT_REQUIRED" if self.cfg.verify_ssl else "CERT_NONE",
+            ca_certs=self.cfg.ssl_ca_cert,
+            cert_file=self.cfg.cert_file,
+            key_file=self.cfg.key_file,
+        )
+
+    def _auth(self) -> dict[str, str]:
+        key = self.cfg.get_api_key_with_prefix("authorization") or self.cfg.get_api_key_with_prefix(
+            "BearerToken"
+        )
+        return {"Authorization": key} if key else {}
+
+    def request(
+        self,
+        method: str,
+        url_path: str,
+        body: Any = None,
+        query: Mapping[str, str] | None = None,
+        content_type: str = "application/json",
+        timeout: float = 30.0,
+    ) -> Any:
+        headers = {"Accept": "application/json", **self._auth()}
+        data = None
+        if body is not None:
+            headers["Content-Type"] = content_type
+            data = json.dumps(body).encode()
+        url = self.host + url_path
+        if query:
+            url += "?" + urlencode(dict(query))
+        resp = self.pool.request(method, url, body=data, headers=headers, timeout=timeout)
+        text = resp.data.decode(errors="replace")
+        if resp.status >= 400:
+            try:
+                message = json.loads(text).get("message", text)
+            except ValueError:
+                message = text
+            raise KubeError(resp.status, message)
+        return json.loads(text) if text else None
+
+    # Conveniences -------------------------------------------------------------
+    def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            out: dict[str, Any] = self.request("GET", path(kind, namespace, name))
+            return out
+        except KubeError as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def list(self, kind: str, namespace: str, selector: str | None = None) -> list[dict[str, Any]]:
+        query = {"labelSelector": selector} if selector else None
+        out = self.request("GET", path(kind, namespace), query=query)
+        items: list[dict[str, Any]] = out.get("items", [])
+        return items
+
+    def create(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        ns = obj["metadata"]["namespace"]
+        out: dict[str, Any] = self.request("POST", path(obj["kind"], ns), obj)
+        return out
+
+    def create_if_absent(self, obj: Mapping[str, Any]) -> bool:
+        """Create obj unless it exists; True if created (for one-time values like tokens)."""
+        try:
+            self.create(obj)
+            return True
+        except KubeError as e:
+            if e.status == 409:
+                return False
+            raise
+
+    def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        """Server-side apply as the operator: idempotent, and owns exactly the fields it sets."""
+        meta = obj["metadata"]
+        out: dict[str, Any] = self.request(
+            "PATCH",
+            path(obj["kind"], meta["namespace"], meta["name"]),
+            obj,
+            query={"fieldManager": FIELD_MANAGER, "force": "true"},
+            content_type="application/apply-patch+yaml",
+        )
+        return out
+
+    def merge_patch(
+        self, kind: str, namespace: str, name: str, patch: Mapping[str, Any], sub: str | None = None
+    ) -> dict[str, Any]:
+        out: dict[str, Any] = self.request(
+            "PATCH",
+            path(kind, namespace, name, sub),
+            patch,
+            content_type="application/merge-patch+json",
+        )
+        return out
+
+    def delete(self, kind: str, namespace: str, name: str) -> bool:
+        try:
+            self.request("DELETE", path(kind, namespace, name), {"propagationPolicy": "Background"})
+            return True
+        except KubeError as e:
+            if e.status == 404:
+                return False
+            raise

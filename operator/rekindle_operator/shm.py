@@ -1,0 +1,79 @@
+"""How big /dev/shm must be for what vLLM will put there (one pure function).
+
+Kubernetes gives a container 64 MiB of /dev/shm; vLLM needs far more and finds
+out late (tmpfs allocates lazily: an undersized multimodal cache is a SIGBUS
+under load, not an error at start). The operator sizes a memory-backed emptyDir
+with this formula and adds the same amount to the pod's memory limit, because
+tmpfs pages count against the container's memory cgroup.
+
+need = message_queues + multimodal_cache + kv_offload + nccl + headroom
+
+- message_queues: vLLM's multiprocess executor keeps shared-memory ring buffers:
+  the RPC broadcast queue (VLLM_MQ_MAX_CHUNK_BYTES_MB=16 MiB x 10 chunks =
+  160 MiB), one response queue per worker (24 MiB x 10 = 240 MiB each) and one
+  broadcaster per TP group (4 MiB x 6 = 24 MiB). The CPU backend always uses
+  the multiprocess executor; on GPU, TP=1 runs the uniprocess executor and has
+  none of these.
+- multimodal_cache: with --mm-processor-cache-type shm, one ring buffer of
+  --mm-processor-cache-gb (+32 bytes) shared by the API process and workers.
+- kv_offload: vLLM's native CPU KV offload maps /dev/shm/vllm_offload_*.mmap of
+  the configured size.
+- nccl: NCCL's SHM transport (GPU) or the CPU backend's shared-memory
+  all-reduce keeps per-rank segments when TP > 1; 192 MiB per rank (a DP=16
+  node was seen using ~3 GB, llm-d #352).
+- headroom: 10% of the rest, at least 256 MiB (PyTorch's own shm tensors,
+  semaphores, the agent's restored copies during a checkpoint's verification).
+The total is rounded up to a multiple of 64 MiB.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rekindle_operator.quantity import MiB
+from rekindle_operator.spec import IsvcSpec
+
+RPC_BROADCAST_MQ = 16 * MiB * 10
+WORKER_RESPONSE_MQ = 24 * MiB * 10
+TP_GROUP_BROADCAST_MQ = 4 * MiB * 6
+MM_CACHE_HEADER = 32
+NCCL_PER_RANK = 192 * MiB
+HEADROOM_FRACTION = 0.10
+HEADROOM_MIN = 256 * MiB
+ROUND_TO = 64 * MiB
+
+
+@dataclass(frozen=True)
+class ShmBudget:
+    """The computed /dev/shm need, with each term, in bytes (documented in the status)."""
+
+    message_queues: int
+    multimodal_cache: int
+    kv_offload: int
+    nccl: int
+    headroom: int
+    total: int
+
+    def as_status(self) -> dict[str, int]:
+        return {
+            "messageQueuesBytes": self.message_queues,
+            "multimodalCacheBytes": self.multimodal_cache,
+            "kvOffloadBytes": self.kv_offload,
+            "ncclBytes": self.nccl,
+            "headroomBytes": self.headroom,
+            "totalBytes": self.total,
+        }
+
+
+def shm_need(spec: IsvcSpec) -> ShmBudget:
+    """The /dev/shm bytes vLLM will use for spec, term by term (see the module docstring)."""
+    tp = spec.tensor_parallel_size
+    multiproc = spec.device == "cpu" or tp > 1
+    mq = RPC_BROADCAST_MQ + tp * WORKER_RESPONSE_MQ + TP_GROUP_BROADCAST_MQ if multiproc else 0
+    mm = spec.mm_cache_bytes + MM_CACHE_HEADER if spec.mm_shm_cache else 0
+    kv = spec.kv_offload_bytes
+    nccl = NCCL_PER_RANK * tp if tp > 1 else 0
+    subtotal = mq + mm + kv + nccl
+    headroom = max(HEADROOM_MIN, int(subtotal * HEADROOM_FRACTION))
+    total = -(-(subtotal + headroom) // ROUND_TO) * ROUND_TO
+    return ShmBudget(mq, mm, kv, nccl, total - subtotal, total)

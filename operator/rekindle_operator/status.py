@@ -1,0 +1,223 @@
+"""InferenceService status from what the operator observes (pure functions).
+
+Inputs: the parsed spec, the Deployment, its pods, what each pod's agent said
+(or why it could not be asked), the checkpoint in use. Output: the status
+dict, and the transitions worth an Event.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from rekindle_operator.constants import (
+    COND_CHECKPOINT_READY,
+    COND_READY,
+    COND_RESTORED,
+    COND_SHM_SIZED,
+)
+from rekindle_operator.selection import pod_ready
+
+Body = Mapping[str, Any]
+
+
+def now_iso() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(ts: str) -> datetime:
+    return datetime.strptime(ts, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
+
+
+@dataclass(frozen=True)
+class PodBoot:
+    """How one pod's vLLM came up, as its agent reports it."""
+
+    name: str
+    ready: bool
+    origin: str  # booted | restored | unknown
+    reason: str  # why it booted rather than restored ("" when restored)
+    checkpoint: str | None
+    cold_start_seconds: float | None  # pod creation -> Ready
+
+
+def cold_start_seconds(pod: Body) -> float | None:
+    """Pod creation to its Ready condition: the user-visible cold start."""
+    created = (pod.get("metadata") or {}).get("creationTimestamp")
+    for cond in (pod.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == "Ready" and cond.get("status") == "True" and created:
+            return (parse_time(cond["lastTransitionTime"]) - parse_time(created)).total_seconds()
+    return None
+
+
+def pod_boot(pod: Body, agent: Mapping[str, Any] | None, agent_error: str | None) -> PodBoot:
+    """Combine the pod object with its agent's /v1/status reply (or the error asking it)."""
+    name = pod["metadata"]["name"]
+    if agent is None:
+        return PodBoot(
+            name,
+            pod_ready(pod),
+            "unknown",
+            agent_error or "agent not answering",
+            None,
+            cold_start_seconds(pod),
+        )
+    origin = str(agent.get("origin") or "unknown")
+    fallback = agent.get("last_fallback") or {}
+    reason = ""
+    if origin != "restored":
+        reason = str(fallback.get("reason") or "no checkpoint to restore")
+        if fallback.get("message"):
+            reason += f": {fallback['message']}"
+    return PodBoot(
+        name, pod_ready(pod), origin, reason, agent.get("checkpoint"), cold_start_seconds(pod)
+    )
+
+
+def set_condition(
+    conditions: list[dict[str, Any]], ctype: str, status: bool, reason: str, message: str
+) -> list[dict[str, Any]]:
+    """A new list with ctype set; lastTransitionTime moves only when the status flips."""
+    value = "True" if status else "False"
+    out = [dict(c) for c in conditions if c.get("type") != ctype]
+    old = next((c for c in conditions if c.get("type") == ctype), None)
+    ts = old["lastTransitionTime"] if old and old.get("status") == value else now_iso()
+    out.append(
+        {
+            "type": ctype,
+            "status": value,
+            "reason": reason,
+            "message": message,
+            "lastTransitionTime": ts,
+        }
+    )
+    return sorted(out, key=lambda c: str(c["type"]))
+
+
+@dataclass(frozen=True)
+class Observed:
+    spec_replicas: int
+    deployment: Body | None
+    pods: tuple[PodBoot, ...]
+    checkpoint: str | None  # name of the Checkpoint new pods restore from
+    shm_bytes: int
+    shm_need: Mapping[str, int]
+    shm_error: str | None
+    selector: str
+    endpoint: str
+
+
+def compute_status(old: Body, obs: Observed) -> dict[str, Any]:
+    """The InferenceService status for obs; old supplies conditions and last timings."""
+    dep_status = (obs.deployment or {}).get("status") or {}
+    replicas = int(dep_status.get("replicas") or 0)
+    ready = int(dep_status.get("readyReplicas") or 0)
+    conds: list[dict[str, Any]] = list(old.get("conditions") or [])
+
+    if obs.shm_error:
+        conds = set_condition(conds, COND_SHM_SIZED, False, "BelowNeed", obs.shm_error)
+        phase = "Failed"
+    else:
+        conds = set_condition(
+            conds, COND_SHM_SIZED, True, "Sized", f"/dev/shm is {obs.shm_bytes // 2**20}Mi"
+        )
+        if obs.deployment is None:
+            phase = "Pending"
+        elif obs.spec_replicas == 0:
+            phase = "ScaledToZero" if replicas == 0 else "Progressing"
+        elif ready >= obs.spec_replicas and replicas == obs.spec_replicas:
+            phase = "Ready"
+        elif ready > 0:
+            phase = "Degraded" if replicas >= obs.spec_replicas else "Progressing"
+        else:
+            phase = "Progressing"
+
+    if ready > 0:
+        conds = set_condition(conds, COND_READY, True, "ReplicasReady", f"{ready} ready")
+    else:
+        why = "ScaledToZero" if obs.spec_replicas == 0 else "NoReadyReplica"
+        conds = set_condition(conds, COND_READY, False, why, f"0 of {obs.spec_replicas} ready")
+
+    if obs.checkpoint:
+        conds = set_condition(
+            conds,
+            COND_CHECKPOINT_READY,
+            True,
+            "Available",
+            f"new replicas restore from Checkpoint {obs.checkpoint}",
+        )
+    else:
+        conds = set_condition(
+            conds,
+            COND_CHECKPOINT_READY,
+            False,
+            "NoCheckpoint",
+            "no Ready checkpoint matches the current spec: `kubectl rekindle checkpoint` makes one",
+        )
+
+    known = [p for p in obs.pods if p.origin in ("booted", "restored")]
+    if known:
+        restored = [p for p in known if p.origin == "restored"]
+        booted = [p for p in known if p.origin == "booted"]
+        msg = "; ".join(
+            [f"{p.name} restored from {p.checkpoint}" for p in restored]
+            + [f"{p.name} booted: {p.reason}" for p in booted]
+        )
+        conds = set_condition(
+            conds, COND_RESTORED, not booted, "AllRestored" if not booted else "SomeBooted", msg
+        )
+
+    last = dict(old.get("lastColdStartSeconds") or {})
+    for p in obs.pods:
+        if p.ready and p.cold_start_seconds is not None and p.origin in ("booted", "restored"):
+            last[p.origin] = round(p.cold_start_seconds, 1)
+
+    return {
+        "phase": phase,
+        "replicas": replicas,
+        "readyReplicas": ready,
+        "selector": obs.selector,
+        "endpoint": obs.endpoint,
+        "checkpoint": obs.checkpoint or "",
+        "sharedMemory": {"size": f"{obs.shm_bytes // 2**20}Mi", **obs.shm_need},
+        "lastColdStartSeconds": last,
+        "pods": [
+            {
+                "name": p.name,
+                "ready": p.ready,
+                "origin": p.origin,
+                "reason": p.reason,
+                "checkpoint": p.checkpoint or "",
+                **(
+                    {"coldStartSeconds": round(p.cold_start_seconds, 1)}
+                    if p.cold_start_seconds is not None
+                    else {}
+                ),
+            }
+            for p in obs.pods
+        ],
+        "conditions": conds,
+    }
+
+
+def transitions(old: Body, new: Body) -> list[tuple[str, str, str]]:
+    """(type Normal|Warning, reason, message) for each phase or condition change."""
+    events: list[tuple[str, str, str]] = []
+    if old.get("phase") != new.get("phase"):
+        kind = "Warning" if new.get("phase") in ("Failed", "Degraded") else "Normal"
+        events.append((kind, f"Phase{new.get('phase')}", f"phase is now {new.get('phase')}"))
+    old_c = {c["type"]: c for c in old.get("conditions") or []}
+    for c in new.get("conditions") or []:
+        prev = old_c.get(c["type"])
+        if prev is None or prev.get("status") != c["status"] or prev.get("reason") != c["reason"]:
+            kind = "Normal" if c["status"] == "True" else "Warning"
+            if c["type"] == COND_READY and c["reason"] == "ScaledToZero":
+                kind = "Normal"
+            events.append((kind, f"{c['type']}{c['reason']}", str(c["message"])[:1000]))
+    return events
+
+
+def pods_summary(pods: Iterable[PodBoot]) -> str:
+    return ", ".join(f"{p.name}:{p.origin}" for p in pods)

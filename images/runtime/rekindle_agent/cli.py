@@ -31,7 +31,9 @@ def _add_model(sub: argparse._SubParsersAction) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rekindle", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
-    adders: list[Callable[[argparse._SubParsersAction], None]] = [_add_model]
+    from rekindle_agent import agent_cli
+
+    adders: list[Callable[[argparse._SubParsersAction], None]] = [_add_model, *agent_cli.ADDERS]
     for add in adders:
         add(sub)
     return parser

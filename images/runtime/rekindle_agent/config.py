@@ -26,7 +26,7 @@ class AgentConfig:
     model: str = ""
     served_name: str = "model"
     device: str = "cpu"
-    max_model_len: int = 512
+    max_model_len: int | None = None  # None: vLLM's default
     worker_extension: str | None = "auto"  # "auto": use Rekindle's if importable
     vllm_args: list[str] = field(default_factory=list)
     bind_host: str = "0.0.0.0"
@@ -106,6 +106,8 @@ def from_env(env: dict[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if env.get(api.CRIU_ENV):
         out["criu"] = env[api.CRIU_ENV]
+    if env.get("REKINDLE_CHECKPOINT"):
+        out["checkpoint"] = env["REKINDLE_CHECKPOINT"]
     if env.get(api.TOKEN_ENV):
         out["token_file"] = env[api.TOKEN_ENV]
     return out
@@ -162,3 +164,21 @@ def from_args(ns: argparse.Namespace, env: dict[str, str] | None = None) -> Agen
     cfg = AgentConfig(**values)
     cfg.validate()
     return cfg
+
+
+def _cmd_agent(ns: argparse.Namespace) -> int:
+    try:
+        cfg = from_args(ns)
+    except ConfigError as e:
+        print(f"rekindle agent: {e}", file=__import__("sys").stderr)
+        return 2
+    from rekindle_agent.server import run
+
+    return run(cfg)
+
+
+def add_agent(sub: argparse._SubParsersAction) -> None:
+    """`rekindle agent ...`: the in-pod agent (PID 1 of the runtime container)."""
+    p = sub.add_parser("agent", help="run the in-pod agent: boot/restore vLLM, checkpoint it")
+    add_arguments(p)
+    p.set_defaults(func=_cmd_agent)

@@ -27,7 +27,7 @@ class VllmConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     device: str = "cpu"
-    max_model_len: int = 512
+    max_model_len: int | None = 512  # None: vLLM's default (the model's context)
     tensor_parallel_size: int = 1
     worker_extension: str | None = WORKER_EXTENSION
     mm_shm_cache_gb: float | None = None
@@ -49,9 +49,9 @@ def vllm_command(cfg: VllmConfig, python: str = sys.executable) -> list[str]:
         cfg.host,
         "--port",
         str(cfg.port),
-        "--max-model-len",
-        str(cfg.max_model_len),
     ]
+    if cfg.max_model_len is not None:
+        cmd += ["--max-model-len", str(cfg.max_model_len)]
     if cfg.tensor_parallel_size > 1:
         cmd += ["--tensor-parallel-size", str(cfg.tensor_parallel_size)]
     if cfg.device == "cpu":

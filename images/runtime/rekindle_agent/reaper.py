@@ -1,0 +1,135 @@
+"""Child processes when the agent is PID 1 (or a subreaper).
+
+A restored vLLM tree is not the agent's own Popen child: after `criu restore -d`
+its root is re-parented to the agent, and so is every orphan of the tree. One
+thread reaps every child and keeps the exit statuses; the agent starts
+processes and waits for them only through this class, never Popen.wait (which
+would race the reaper for the same status).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import subprocess
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> None:
+    """Orphans of vLLM's tree (and a restored root) are re-parented to this process."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+
+
+@dataclass
+class Result:
+    returncode: int
+    output: str
+
+
+class Reaper:
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._status: dict[int, int] = {}
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="reaper", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop:
+            try:
+                pid, status = os.waitpid(-1, 0)
+            except ChildProcessError:
+                time.sleep(0.05)
+                continue
+            except InterruptedError:
+                continue
+            with self._cond:
+                self._status[pid] = os.waitstatus_to_exitcode(status)
+                self._cond.notify_all()
+
+    def stop(self) -> None:
+        self._stop = True
+
+    def spawn(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        stdout: int | None = None,
+        stderr: int | None = None,
+        new_session: bool = True,
+        pass_fds: Sequence[int] = (),
+        cwd: str | None = None,
+    ) -> int:
+        """Start argv (in its own session by default) and return its pid."""
+        with self._cond:
+            p = subprocess.Popen(
+                list(argv),
+                env=None if env is None else dict(env),
+                stdin=subprocess.DEVNULL,
+                stdout=stdout,
+                stderr=stderr,
+                start_new_session=new_session,
+                pass_fds=tuple(pass_fds),
+                cwd=cwd,
+            )
+            self._status.pop(p.pid, None)
+            # Popen must never wait for it: the reaper owns the status.
+            p.returncode = 0
+            return p.pid
+
+    def poll(self, pid: int) -> int | None:
+        with self._cond:
+            return self._status.get(pid)
+
+    def wait(self, pid: int, timeout: float | None = None) -> int:
+        """Exit code (negative: killed by that signal); TimeoutError after timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while pid not in self._status:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"pid {pid} still running after {timeout}s")
+                self._cond.wait(0.5 if left is None else min(left, 0.5))
+            return self._status[pid]
+
+    def forget(self, pid: int) -> None:
+        with self._cond:
+            self._status.pop(pid, None)
+
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        timeout: float | None = None,
+        env: Mapping[str, str] | None = None,
+        log_path: str | None = None,
+        pass_fds: Sequence[int] = (),
+    ) -> Result:
+        """Run to completion; stdout+stderr go to log_path (or are captured) and are returned."""
+        path = log_path or f"/tmp/.rekindle-run-{os.getpid()}-{threading.get_ident()}.log"
+        with open(path, "wb") as out:
+            pid = self.spawn(argv, env=env, stdout=out.fileno(), stderr=subprocess.STDOUT,
+                             pass_fds=pass_fds)
+        try:
+            code = self.wait(pid, timeout)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, 9)
+            self.wait(pid, 10)
+            raise
+        finally:
+            self.forget(pid)
+        with open(path, errors="replace") as f:
+            text = f.read()
+        if log_path is None:
+            os.unlink(path)
+        return Result(code, text)

@@ -1,0 +1,248 @@
+"""HTTP side of the agent: the admin API and the OpenAI reverse proxy (aiohttp).
+
+Handlers are thin: they check the token, read state, count requests, and hand
+blocking work to the Agent in a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
+
+from rekindle_agent import api, checkpoint
+from rekindle_agent.agent import Agent, read_token, setup_logging, token_ok
+from rekindle_agent.config import AgentConfig
+
+log = logging.getLogger("rekindle.server")
+RETRY_AFTER_S = "2"
+HOP_HEADERS = {
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
+    "trailers", "transfer-encoding", "upgrade", "host", "content-length",
+}
+UNAUTHENTICATED = {api.PATH_HEALTHZ, api.PATH_READYZ}
+AGENT_KEY = web.AppKey("agent", Agent)
+PROXY_KEY: web.AppKey[Proxy] = web.AppKey("proxy")
+
+
+class Proxy:
+    """Counts in-flight requests so a checkpoint can drain them."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+        self.inflight = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self.session: ClientSession | None = None
+
+    def admit(self) -> bool:
+        """Atomic on the event loop: state check and count happen with no await between."""
+        if self.agent.status.state != "Ready":
+            return False
+        self.inflight += 1
+        self.idle.clear()
+        self.agent.metrics.inflight.set(self.inflight)
+        return True
+
+    def release(self) -> None:
+        self.inflight -= 1
+        self.agent.metrics.inflight.set(self.inflight)
+        if self.inflight == 0:
+            self.idle.set()
+
+    def client(self) -> ClientSession:
+        if self.session is None or self.session.closed:
+            self.session = ClientSession(
+                connector=TCPConnector(limit=0),
+                timeout=ClientTimeout(total=None, sock_connect=10),
+                auto_decompress=False,
+            )
+        return self.session
+
+    async def close_connections(self) -> None:
+        """No proxy connection to vLLM may be open while CRIU dumps it."""
+        if self.session is not None:
+            await self.session.close()
+            self.session = None
+
+
+def refuse(agent: Agent, why: str) -> web.Response:
+    agent.metrics.refused.inc()
+    return web.json_response(
+        {"error": {"message": why, "type": "unavailable", "state": agent.status.state}},
+        status=503,
+        headers={"Retry-After": RETRY_AFTER_S},
+    )
+
+
+async def proxy_handler(request: web.Request) -> web.StreamResponse:
+    proxy = request.app[PROXY_KEY]
+    agent = proxy.agent
+    if not proxy.admit():
+        return refuse(agent, f"agent is {agent.status.state}; retry")
+    try:
+        body = await request.read()
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        url = agent.vllm_url + request.rel_url.path_qs
+        async with proxy.client().request(
+            request.method, url, headers=headers, data=body or None
+        ) as up:
+            resp = web.StreamResponse(
+                status=up.status,
+                headers={k: v for k, v in up.headers.items() if k.lower() not in HOP_HEADERS},
+            )
+            if up.content_length is not None:
+                resp.content_length = up.content_length
+            await resp.prepare(request)
+            async for chunk in up.content.iter_any():
+                await resp.write(chunk)
+            await resp.write_eof()
+            return resp
+    except ClientError as e:
+        return web.json_response({"error": {"message": f"vLLM unreachable: {e}"}}, status=502)
+    finally:
+        proxy.release()
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    agent = request.app[AGENT_KEY]
+    if request.path not in UNAUTHENTICATED and not token_ok(
+        agent.token, request.headers.get("Authorization")
+    ):
+        return web.json_response(
+            {"error": "missing or wrong bearer token"}, status=401,
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    resp: web.StreamResponse = await handler(request)
+    return resp
+
+
+async def healthz(request: web.Request) -> web.Response:
+    """Liveness: only Failed is unhealthy (a long boot or restore is alive)."""
+    state = request.app[AGENT_KEY].status.state
+    return web.json_response({"state": state}, status=503 if state == "Failed" else 200)
+
+
+async def readyz(request: web.Request) -> web.Response:
+    state = request.app[AGENT_KEY].status.state
+    return web.json_response({"state": state}, status=200 if state == "Ready" else 503)
+
+
+async def status(request: web.Request) -> web.Response:
+    agent = request.app[AGENT_KEY]
+    data = agent.status.to_json()
+    data["inflight"] = request.app[PROXY_KEY].inflight
+    return web.json_response(data)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[AGENT_KEY].metrics.render()
+    return web.Response(body=body, content_type="text/plain", charset="utf-8")
+
+
+async def post_checkpoint(request: web.Request) -> web.Response:
+    agent = request.app[AGENT_KEY]
+    proxy = request.app[PROXY_KEY]
+    try:
+        data = await request.json()
+        target = checkpoint.check_target(str(data.get("dir", "")), agent.cfg.checkpoint_root)
+    except (ValueError, json.JSONDecodeError, AttributeError) as e:
+        return web.json_response({"error": f"bad request: {e}"}, status=400)
+    if agent.status.restored_with_mmap:
+        return web.json_response(
+            {"error": "this vLLM was restored with the mmap restore and still maps "
+             f"{agent.status.checkpoint}: a new dump would reference that image. "
+             "Checkpoint a pod whose status has restored_with_mmap=false"},
+            status=409,
+        )
+    if agent.status.state != "Ready" or not agent.flow_lock.acquire(blocking=False):
+        return web.json_response(
+            {"error": f"agent is {agent.status.state}; checkpoint only from Ready"}, status=409,
+            headers={"Retry-After": RETRY_AFTER_S},
+        )
+    try:
+        agent.set_state("Draining", f"checkpoint to {target}")
+        try:
+            await asyncio.wait_for(proxy.idle.wait(), agent.cfg.drain_timeout)
+        except TimeoutError:
+            agent.set_state("Ready", "drain timed out; checkpoint cancelled")
+            return web.json_response(
+                {"error": f"{proxy.inflight} requests still running after "
+                 f"{agent.cfg.drain_timeout:g}s; checkpoint cancelled, retry later "
+                 "or raise --drain-timeout"},
+                status=503, headers={"Retry-After": RETRY_AFTER_S},
+            )
+        await proxy.close_connections()
+        agent.set_state("Checkpointing", f"dumping to {target}")
+        try:
+            man = await asyncio.to_thread(agent.run_checkpoint, target)
+        except checkpoint.CheckpointError as e:
+            return web.json_response({"error": str(e), "status": agent.status.to_json()},
+                                     status=500)
+        return web.json_response(man)
+    finally:
+        agent.flow_lock.release()
+
+
+def admin_app(agent: Agent, proxy: Proxy) -> web.Application:
+    app = web.Application(middlewares=[auth_middleware])
+    app[AGENT_KEY] = agent
+    app[PROXY_KEY] = proxy
+    app.router.add_get(api.PATH_HEALTHZ, healthz)
+    app.router.add_get(api.PATH_READYZ, readyz)
+    app.router.add_get(api.PATH_STATUS, status)
+    app.router.add_get(api.PATH_METRICS, metrics)
+    app.router.add_post(api.PATH_CHECKPOINT, post_checkpoint)
+    return app
+
+
+def proxy_app(agent: Agent, proxy: Proxy) -> web.Application:
+    app = web.Application(client_max_size=64 << 20)
+    app[AGENT_KEY] = agent
+    app[PROXY_KEY] = proxy
+    app.router.add_route("*", "/{tail:.*}", proxy_handler)
+    return app
+
+
+async def serve(cfg: AgentConfig) -> None:
+    agent = Agent(cfg, read_token(cfg.token_file))
+    proxy = Proxy(agent)
+    runners = []
+    for app, port in ((admin_app(agent, proxy), cfg.admin_port),
+                      (proxy_app(agent, proxy), cfg.serve_port)):
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, cfg.bind_host, port).start()
+        runners.append(runner)
+    log.info("agent: admin on %s:%d, OpenAI proxy on %s:%d, vLLM on 127.0.0.1:%d",
+             cfg.bind_host, cfg.admin_port, cfg.bind_host, cfg.serve_port, cfg.vllm_port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    threading.Thread(target=agent.watch, name="watch", daemon=True).start()
+    starter = asyncio.create_task(asyncio.to_thread(agent.start))
+    await stop.wait()
+    log.info("agent: stopping")
+    agent.stopping = True
+    with contextlib.suppress(Exception):
+        await proxy.close_connections()
+    for runner in runners:
+        await runner.cleanup()
+    await asyncio.to_thread(agent.shutdown)
+    starter.cancel()
+
+
+def run(cfg: AgentConfig) -> int:
+    setup_logging()
+    Path(cfg.run_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
+    asyncio.run(serve(cfg))
+    return 0

@@ -1,0 +1,114 @@
+"""Talking to a running vLLM: release memory before a dump, wake and reload after a restore.
+
+CPU: vLLM has no sleep mode there (`/sleep` and `/wake_up` are no-ops), so the
+weights extension does the work over `/collective_rpc`:
+  checkpoint  rekindle_dump_weights(dir) once, then rekindle_release_weights()
+  restore     rekindle_reload_weights(dir)
+GPU (vLLM's documented level-2 sleep; vllm-facts.md §1):
+  checkpoint  rekindle_dump_weights(dir), then POST /sleep?level=2 (weights and
+              KV cache dropped from the GPU; cuda-checkpoint then moves what is left)
+  restore     POST /wake_up?tags=weights, rekindle_reload_weights(dir),
+              POST /wake_up?tags=kv_cache
+The reload replaces vLLM's `reload_weights` (which re-reads the original model
+files) with the flat dump made at checkpoint time.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+DUMP = "rekindle_dump_weights"
+RELEASE = "rekindle_release_weights"
+RELOAD = "rekindle_reload_weights"
+
+
+class VllmCallError(RuntimeError):
+    def __init__(self, what: str, status: int | None, body: str) -> None:
+        super().__init__(f"{what}: HTTP {status}: {body[:400]}")
+        self.status = status
+        self.body = body
+
+
+def missing_method(err: VllmCallError) -> bool:
+    """vLLM answers an unknown collective_rpc method with an AttributeError text."""
+    return "has no attribute" in err.body or "AttributeError" in err.body
+
+
+@dataclass
+class VllmControl:
+    base_url: str
+    device: str = "cpu"
+    timeout: float = 600.0
+    calls: list[str] = field(default_factory=list)  # what was sent, in order (for status/tests)
+
+    def _post(self, path: str, body: object | None = None) -> Any:
+        self.calls.append(path if body is None else f"{path} {json.dumps(body, sort_keys=True)}")
+        data = b"" if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.base_url + path, data=data, method="POST")
+        req.add_header("Content-Type", "application/json")
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as e:
+            raise VllmCallError(path, e.code, e.read().decode(errors="replace")) from e
+        except (urllib.error.URLError, OSError) as e:
+            raise VllmCallError(path, None, str(e)) from e
+        return json.loads(raw) if raw else None
+
+    def rpc(self, method: str, *args: str) -> Any:
+        return self._post("/collective_rpc", {"method": method, "args": list(args)})
+
+    def release(self, weights_dir: str) -> dict[str, float]:
+        """Dump the weights once, then free weights and KV cache; phase seconds."""
+        t = {}
+        t0 = time.monotonic()
+        self.rpc(DUMP, weights_dir)
+        t["dump_weights"] = time.monotonic() - t0
+        t0 = time.monotonic()
+        if self.device == "cuda":
+            self._post("/sleep?level=2")
+        else:
+            self.rpc(RELEASE)
+        t["release"] = time.monotonic() - t0
+        return t
+
+    def wake(self, weights_dir: str) -> dict[str, float]:
+        """Bring weights (and, on GPU, the KV cache) back after a restore; phase seconds."""
+        t = {}
+        t0 = time.monotonic()
+        if self.device == "cuda":
+            self._post("/wake_up?tags=weights")
+        self.rpc(RELOAD, weights_dir)
+        if self.device == "cuda":
+            self._post("/wake_up?tags=kv_cache")
+        t["reload_weights"] = time.monotonic() - t0
+        return t
+
+    def complete_one(self, model: str, prompt: str = "Hello") -> str:
+        """One greedy token: proof that the engine, its workers and the weights all work."""
+        out = self._post(
+            "/v1/completions",
+            {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0},
+        )
+        return str(out["choices"][0]["text"])
+
+
+def wait_health(base_url: str, timeout: float, alive: Any = None) -> float:
+    """Poll /health until 200; returns seconds waited. alive(): False aborts early."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if alive is not None and not alive():
+            raise RuntimeError("vLLM exited before it became healthy")
+        try:
+            with urllib.request.urlopen(base_url + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return time.monotonic() - t0
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.02)
+    raise TimeoutError(f"vLLM at {base_url} not healthy after {timeout:.0f}s")

@@ -1,0 +1,53 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+from rekindle_agent import criu, fingerprint
+
+
+def test_mismatches_only_on_strict_keys() -> None:
+    a = {k: "x" for k in fingerprint.STRICT_KEYS} | {"note": 1}
+    assert fingerprint.mismatches(a, dict(a, note=2)) == []
+    out = fingerprint.mismatches(a, dict(a, vllm="0.33.0"))
+    assert out == ["vllm: checkpoint has 'x', this pod has '0.33.0'"]
+
+
+def test_normalize_argv_drops_interpreter() -> None:
+    assert fingerprint.normalize_argv(["/venv/bin/python3", "-m", "vllm"]) == ["-m", "vllm"]
+    assert fingerprint.normalize_argv(["vllm", "serve"]) == ["vllm", "serve"]
+
+
+def test_model_fingerprint_follows_content(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    big = tmp_path / "model.safetensors"
+    big.write_bytes(b"\0" * (fingerprint.LARGE_FILE + 10))
+    first = fingerprint.model_fingerprint(str(tmp_path))
+    assert fingerprint.model_fingerprint(str(tmp_path)) == first
+    (tmp_path / "config.json").write_text('{"a": 1}')
+    second = fingerprint.model_fingerprint(str(tmp_path))
+    assert second != first
+    with big.open("r+b") as f:  # the last MiB of a large shard counts
+        f.seek(fingerprint.LARGE_FILE + 5)
+        f.write(b"\1")
+    assert fingerprint.model_fingerprint(str(tmp_path)) != second
+
+
+def test_criu_version_and_option_probe() -> None:
+    assert criu.parse_version("Version: 4.2.1\nGitID: v4.2.1\n") == "4.2.1"
+    assert criu.parse_version("garbage") is None
+    help_text = "  --lazy-pages  ...\n  --mmap-restore   map pages-*.img\n"
+    assert criu.supports_option(help_text, "--mmap-restore")
+    assert not criu.supports_option("  --mmap-restore-all\n", "--mmap-restore")
+    assert not criu.supports_option(help_text, "--tcp-close")
+
+
+def test_criu_argv() -> None:
+    dump = criu.dump_argv("/c/criu", 42, "/ck/images", "/ck/dump.log")
+    assert dump[:4] == ["/c/criu", "dump", "-t", "42"]
+    assert "--leave-running" not in dump  # failure resumes the tree, success kills it
+    for flag in criu.COMMON_FLAGS:
+        assert flag in dump
+    rest = criu.restore_argv("/c/criu", "/ck/images", "/l", "/p", mmap=True, plugins="/plug")
+    assert rest[:3] == ["/c/criu", "restore", "-d"]
+    assert criu.MMAP_RESTORE_FLAG in rest and rest[-2:] == ["-L", "/plug"]
+    assert criu.MMAP_RESTORE_FLAG not in criu.restore_argv("/c/criu", "/i", "/l", "/p")

@@ -1,0 +1,92 @@
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rekindle_agent import api, manifest, prefetch
+
+
+def _ckpt(tmp_path: Path) -> tuple[Path, list[api.FileEntry]]:
+    root = tmp_path / "ckpt"
+    (root / "images").mkdir(parents=True)
+    (root / "images" / "pages-1.img").write_bytes(bytes(range(256)) * 40000)
+    (root / "images" / "core-1.img").write_bytes(b"core")
+    (root / "shm").mkdir()
+    (root / "shm" / "psm_1").write_bytes(b"")
+    rel = manifest.list_files(root)
+    return root, manifest.checksum_files(root, rel, threads=3)
+
+
+def _doc(files: list[api.FileEntry]) -> dict[str, Any]:
+    return {"format": api.MANIFEST_FORMAT, "fingerprint": {}, "criu": {},
+            "vllm": {"root_pid": 123}, "files": files}
+
+
+def test_checksums_match_hashlib(tmp_path: Path) -> None:
+    root, entries = _ckpt(tmp_path)
+    assert [e["path"] for e in entries] == ["images/core-1.img", "images/pages-1.img", "shm/psm_1"]
+    for e in entries:
+        data = (root / e["path"]).read_bytes()
+        assert e["size"] == len(data)
+        assert e["sha256"] == hashlib.sha256(data).hexdigest()
+
+
+def test_write_read_and_verified_marker(tmp_path: Path) -> None:
+    root, entries = _ckpt(tmp_path)
+    man: api.Manifest = _doc(entries)  # type: ignore[assignment]
+    manifest.write(root, man)
+    assert manifest.read(root)["files"] == entries
+    assert manifest.list_files(root) == [e["path"] for e in entries]  # manifest excluded
+    assert not manifest.is_verified(root)
+    manifest.mark_verified(root, man, {"restore_seconds": 1.0})
+    assert manifest.is_verified(root)
+    assert manifest.read(root)["verified"]["restore_seconds"] == 1.0
+
+
+@pytest.mark.parametrize(
+    ("doc", "needle"),
+    [
+        ({"format": 99}, "format"),
+        ({"files": [{"path": "../../etc/passwd", "size": 1, "sha256": "x"}]}, "escapes"),
+        ({"files": "nope"}, "list"),
+        ({"vllm": {}}, "root_pid"),
+    ],
+)
+def test_validate_names_the_problem(doc: dict[str, Any], needle: str) -> None:
+    base = _doc([])
+    base.update(doc)
+    problems = manifest.validate(base)
+    assert any(needle in p for p in problems), problems
+
+
+def test_read_reasons(tmp_path: Path) -> None:
+    with pytest.raises(manifest.ManifestError) as e:
+        manifest.read(tmp_path)
+    assert e.value.reason == "no_checkpoint"
+    (tmp_path / api.MANIFEST_NAME).write_text("{not json")
+    with pytest.raises(manifest.ManifestError) as e:
+        manifest.read(tmp_path)
+    assert e.value.reason == "manifest_invalid"
+
+
+def test_size_check_and_prefetch_hash_catch_damage(tmp_path: Path) -> None:
+    root, entries = _ckpt(tmp_path)
+    manifest.check_sizes(root, entries)
+    assert prefetch.Prefetcher(root, entries, threads=2).result().bad == []
+    pages = root / "images" / "pages-1.img"
+    data = bytearray(pages.read_bytes())
+    data[5000] ^= 0xFF  # same size, different content
+    pages.write_bytes(bytes(data))
+    manifest.check_sizes(root, entries)  # sizes cannot see it ...
+    res = prefetch.Prefetcher(root, entries, threads=2).result()
+    assert res.bad == ["images/pages-1.img: sha256 differs from the manifest"]  # ... hashes do
+    assert res.bytes_read == sum(e["size"] for e in entries)
+    (root / "images" / "core-1.img").unlink()
+    with pytest.raises(manifest.ManifestError) as e:
+        manifest.check_sizes(root, entries)
+    assert e.value.reason == "file_missing"
+    assert "missing" in json.dumps(str(e.value))

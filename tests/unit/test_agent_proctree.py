@@ -1,0 +1,37 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from rekindle_agent import proctree
+
+
+def test_parse_stat_with_spaces_and_parens_in_comm() -> None:
+    assert proctree.parse_stat("123 (a b) (c)) S 7 123 123 0") == (123, "S", 7)
+
+
+def test_descendants_order_and_missing_root() -> None:
+    parents = {1: 0, 10: 1, 11: 10, 12: 10, 13: 11, 20: 1}
+    assert proctree.descendants(10, parents) == [10, 11, 12, 13]
+    assert proctree.descendants(99, parents) == []
+
+
+def test_real_tree_and_kill() -> None:
+    code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"
+    p = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        for _ in range(100):
+            pids = proctree.tree(p.pid)
+            if len(pids) == 2:
+                break
+            __import__("time").sleep(0.05)
+        assert pids[0] == p.pid and len(pids) == 2
+        proctree.kill_tree(pids)
+        p.wait()
+        assert not proctree.alive(p.pid)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert proctree.alive(os.getpid())
+    assert sys.executable

@@ -1,0 +1,88 @@
+"""The wake/release request sequences, against a fake vLLM that records requests."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from rekindle_agent.vllm_control import VllmCallError, VllmControl, missing_method
+
+
+class _Fake(BaseHTTPRequestHandler):
+    seen: list[tuple[str, object]] = []
+    unknown: set[str] = set()
+
+    def do_POST(self) -> None:
+        n = int(self.headers.get("Content-Length") or 0)
+        body = json.loads(self.rfile.read(n)) if n else None
+        _Fake.seen.append((self.path, body))
+        if self.path == "/collective_rpc" and body["method"] in _Fake.unknown:
+            self._reply(500, {"error": f"AttributeError: 'CPUWorker' object has no attribute "
+                                       f"'{body['method']}'"})
+        elif self.path == "/v1/completions":
+            self._reply(200, {"choices": [{"text": " the"}]})
+        else:
+            self._reply(200, {"results": [None]})
+
+    def _reply(self, code: int, doc: object) -> None:
+        raw = json.dumps(doc).encode()
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture()
+def fake() -> Iterator[str]:
+    _Fake.seen, _Fake.unknown = [], set()
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Fake)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+
+
+def _rpc(method: str, *args: str) -> tuple[str, object]:
+    return ("/collective_rpc", {"method": method, "args": list(args)})
+
+
+def test_cpu_sequence(fake: str) -> None:
+    c = VllmControl(fake, "cpu")
+    c.release("/ck/weights")
+    c.wake("/ck/weights")
+    assert _Fake.seen == [
+        _rpc("rekindle_dump_weights", "/ck/weights"),
+        _rpc("rekindle_release_weights"),
+        _rpc("rekindle_reload_weights", "/ck/weights"),
+    ]
+
+
+def test_gpu_sequence_is_vllms_documented_level2_wake(fake: str) -> None:
+    c = VllmControl(fake, "cuda")
+    c.release("/ck/weights")
+    c.wake("/ck/weights")
+    assert _Fake.seen == [
+        _rpc("rekindle_dump_weights", "/ck/weights"),
+        ("/sleep?level=2", None),
+        ("/wake_up?tags=weights", None),
+        _rpc("rekindle_reload_weights", "/ck/weights"),
+        ("/wake_up?tags=kv_cache", None),
+    ]
+    assert c.complete_one("tiny") == " the"
+    assert _Fake.seen[-1][1] == {"model": "tiny", "prompt": "Hello", "max_tokens": 1,
+                                 "temperature": 0.0}
+
+
+def test_missing_rpc_is_recognised(fake: str) -> None:
+    _Fake.unknown = {"rekindle_dump_weights"}
+    with pytest.raises(VllmCallError) as e:
+        VllmControl(fake, "cpu").release("/ck/weights")
+    assert e.value.status == 500 and missing_method(e.value)
+    assert len(_Fake.seen) == 1  # nothing released after a failed dump

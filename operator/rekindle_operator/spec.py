@@ -59,7 +59,7 @@ class IsvcSpec:
     served_name: str
     image: str = DEFAULT_IMAGE
     image_pull_policy: str = "IfNotPresent"
-    device: str = "gpu"
+    device: str = "cpu"
     replicas: int = 1
     tensor_parallel_size: int = 1
     max_model_len: int | None = None
@@ -110,7 +110,7 @@ def parse_spec(
 
     tp = int(spec.get("tensorParallelSize", 1))
     replicas = int(spec.get("replicas", 1))
-    device = str(runtime.get("device", "gpu"))
+    device = str(runtime.get("device", "cpu"))
     gpus = int(res.get("gpus", 0))
     vllm_args = tuple(str(a) for a in spec.get("vllmArgs", []) or [])
     env = tuple((str(e["name"]), str(e.get("value", ""))) for e in spec.get("env", []) or [])

@@ -1,0 +1,299 @@
+"""`kubectl rekindle`: checkpoint, restore, status and bench an InferenceService.
+
+Installed as the console script `kubectl-rekindle`, so kubectl finds it as a
+plugin. Uses the same credentials as kubectl (KUBECONFIG / ~/.kube/config).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from rekindle_operator.constants import (
+    ANN_RESTART,
+    API_VERSION,
+    CKPT_FAILED,
+    CKPT_KIND,
+    CKPT_READY,
+    ISVC_KIND,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kubectl rekindle", description=__doc__)
+    p.add_argument("-n", "--namespace", default=None, help="default: the kubeconfig's namespace")
+    p.add_argument("--kubeconfig", default=None)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    c = sub.add_parser("checkpoint", help="checkpoint a ready replica of NAME")
+    c.add_argument("name", help="InferenceService")
+    c.add_argument("--checkpoint-name", help="name of the Checkpoint (default NAME-<time>)")
+    c.add_argument("--pod", help="checkpoint this pod (default: the oldest ready one)")
+    c.add_argument("--retain", action="store_true", help="keep the data when the Checkpoint goes")
+    c.add_argument("--wait", action="store_true", help="wait until Ready or Failed")
+    c.add_argument("--timeout", type=_positive, default=1800.0, help="seconds (with --wait)")
+
+    r = sub.add_parser("restore", help="recreate NAME's replicas from its newest checkpoint")
+    r.add_argument("name")
+    r.add_argument("--wait", action="store_true", help="wait until the new replicas are ready")
+    r.add_argument("--timeout", type=_positive, default=900.0)
+
+    s = sub.add_parser("status", help="how NAME's replicas came up, its checkpoints, /dev/shm")
+    s.add_argument("name")
+    s.add_argument("-o", "--output", choices=["text", "json"], default="text")
+
+    b = sub.add_parser("bench", help="cold start, scale 0->1: naive boot vs restore")
+    b.add_argument("name")
+    b.add_argument("--trials", type=_trials, default=3, help="trials per arm (>= 1)")
+    b.add_argument("--json", type=Path, help="write results as JSON here")
+    b.add_argument("--plot", type=Path, help="write a PNG plot here")
+    return p
+
+
+def _positive(v: str) -> float:
+    f = float(v)
+    if f <= 0:
+        raise argparse.ArgumentTypeError(f"{v} must be > 0 seconds")
+    return f
+
+
+def _trials(v: str) -> int:
+    try:
+        n = int(v)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--trials {v!r} is not an integer") from e
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"--trials {n}: use 1 or more (3+ for a median)")
+    return n
+
+
+def checkpoint_object(
+    isvc: str, namespace: str, name: str | None, pod: str | None, retain: bool, timeout: float
+) -> dict[str, Any]:
+    """The Checkpoint the `checkpoint` subcommand creates."""
+    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+    spec: dict[str, Any] = {
+        "inferenceService": isvc,
+        "deletionPolicy": "Retain" if retain else "Delete",
+        "timeoutSeconds": max(60, int(timeout)),
+    }
+    if pod:
+        spec["pod"] = pod
+    return {
+        "apiVersion": API_VERSION,
+        "kind": CKPT_KIND,
+        "metadata": {"name": name or f"{isvc}-{stamp}"[:253], "namespace": namespace},
+        "spec": spec,
+    }
+
+
+def restart_patch(now: str | None = None) -> dict[str, Any]:
+    """Bumping this annotation makes the operator roll the pods (like `kubectl rollout restart`)."""
+    stamp = now or datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {"metadata": {"annotations": {ANN_RESTART: stamp}}}
+
+
+def _kube(args: argparse.Namespace) -> Any:
+    from rekindle_operator.kube import Kube, load_configuration
+
+    return Kube(load_configuration(args.kubeconfig))
+
+
+def _namespace(args: argparse.Namespace) -> str:
+    if args.namespace:
+        return str(args.namespace)
+    try:
+        from kubernetes import config
+
+        _, active = config.list_kube_config_contexts(config_file=args.kubeconfig)
+        return str(active.get("context", {}).get("namespace") or "default")
+    except Exception:
+        return "default"
+
+
+def _require_isvc(kube: Any, ns: str, name: str) -> dict[str, Any]:
+    isvc = kube.get(ISVC_KIND, ns, name)
+    if isvc is None:
+        raise SystemExit(f"error: InferenceService {name!r} not found in namespace {ns}")
+    return dict(isvc)
+
+
+def cmd_checkpoint(args: argparse.Namespace) -> int:
+    kube, ns = _kube(args), _namespace(args)
+    _require_isvc(kube, ns, args.name)
+    obj = checkpoint_object(
+        args.name, ns, args.checkpoint_name, args.pod, args.retain, args.timeout
+    )
+    created = kube.create(obj)
+    name = created["metadata"]["name"]
+    print(f"checkpoint.rekindle.dev/{name} created")
+    if not args.wait:
+        return 0
+    deadline = time.monotonic() + args.timeout
+    last = ""
+    while time.monotonic() < deadline:
+        st = (kube.get(CKPT_KIND, ns, name) or {}).get("status") or {}
+        phase = st.get("phase", "Pending")
+        if phase != last:
+            print(f"  {phase}" + (f": {st.get('message')}" if st.get("message") else ""))
+            last = phase
+        if phase == CKPT_READY:
+            secs = st.get("phaseSeconds") or {}
+            print(
+                f"Ready: {st.get('size')} in {st.get('totalSeconds', 0):.1f}s at {st.get('path')}"
+            )
+            if secs:
+                print("  phases: " + ", ".join(f"{k} {v:.2f}s" for k, v in secs.items()))
+            return 0
+        if phase == CKPT_FAILED:
+            print(f"Failed ({st.get('reason')}): {st.get('message')}", file=sys.stderr)
+            return 1
+        time.sleep(1)
+    print(f"timed out after {args.timeout:.0f}s waiting for {name}", file=sys.stderr)
+    return 1
+
+
+def cmd_restore(args: argparse.Namespace) -> int:
+    kube, ns = _kube(args), _namespace(args)
+    isvc = _require_isvc(kube, ns, args.name)
+    ckpt = (isvc.get("status") or {}).get("checkpoint")
+    if not ckpt:
+        raise SystemExit(
+            f"error: {args.name} has no Ready checkpoint that matches its spec: "
+            f"run `kubectl rekindle checkpoint {args.name} --wait` first"
+        )
+    kube.merge_patch(ISVC_KIND, ns, args.name, restart_patch())
+    print(f"{args.name}: replicas are being recreated from Checkpoint {ckpt}")
+    if not args.wait:
+        return 0
+    from rekindle_operator import builders as b
+    from rekindle_operator.selection import pod_ready
+
+    time.sleep(3)
+    deadline = time.monotonic() + args.timeout
+    while time.monotonic() < deadline:
+        dep = kube.get("Deployment", ns, b.deployment_name(args.name)) or {}
+        st, want = dep.get("status") or {}, (dep.get("spec") or {}).get("replicas", 0)
+        pods = kube.list("Pod", ns, b.selector_string(args.name))
+        if (
+            st.get("updatedReplicas", 0) == want
+            and st.get("readyReplicas", 0) == want
+            and len(pods) == want
+            and all(pod_ready(p) for p in pods)
+        ):
+            print(f"{want} replica(s) ready")
+            return 0
+        time.sleep(1)
+    print(f"timed out after {args.timeout:.0f}s", file=sys.stderr)
+    return 1
+
+
+def format_status(isvc: dict[str, Any], checkpoints: list[dict[str, Any]]) -> str:
+    st = isvc.get("status") or {}
+    name = isvc["metadata"]["name"]
+    shm = st.get("sharedMemory") or {}
+    lines = [
+        f"InferenceService {name}: {st.get('phase', 'Unknown')}, "
+        f"{st.get('readyReplicas', 0)}/{st.get('replicas', 0)} ready",
+        f"  endpoint:   {st.get('endpoint', '-')}",
+        f"  /dev/shm:   {shm.get('size', '-')} (need {int(shm.get('totalBytes', 0)) // 2**20}Mi)",
+        f"  checkpoint: {st.get('checkpoint') or '- (new replicas boot normally)'}",
+    ]
+    cold = st.get("lastColdStartSeconds") or {}
+    if cold:
+        lines.append(
+            "  last cold start: " + ", ".join(f"{k} {v}s" for k, v in sorted(cold.items()))
+        )
+    for p in st.get("pods") or []:
+        why = f" ({p['reason']})" if p.get("reason") else ""
+        lines.append(f"  pod {p['name']}: {p.get('origin')}{why}, ready={p.get('ready')}")
+    for c in st.get("conditions") or []:
+        lines.append(f"  {c['type']}={c['status']} {c.get('reason', '')}: {c.get('message', '')}")
+    mine = [c for c in checkpoints if (c.get("spec") or {}).get("inferenceService") == name]
+    if mine:
+        lines.append("  checkpoints:")
+        for c in sorted(mine, key=lambda c: c["metadata"].get("creationTimestamp", "")):
+            cs = c.get("status") or {}
+            stale = " STALE" if cs.get("stale") else ""
+            lines.append(
+                f"    {c['metadata']['name']}: {cs.get('phase', 'Pending')}{stale} "
+                f"{cs.get('size', '')} {cs.get('reason', '')}"
+            )
+    return "\n".join(lines)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    kube, ns = _kube(args), _namespace(args)
+    isvc = _require_isvc(kube, ns, args.name)
+    ckpts = kube.list(CKPT_KIND, ns)
+    if args.output == "json":
+        print(
+            json.dumps(
+                {
+                    "inferenceService": isvc.get("status") or {},
+                    "checkpoints": [
+                        {"name": c["metadata"]["name"], **(c.get("status") or {})}
+                        for c in ckpts
+                        if (c.get("spec") or {}).get("inferenceService") == args.name
+                    ],
+                },
+                indent=2,
+            )
+        )
+    else:
+        print(format_status(isvc, ckpts))
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from rekindle_operator import bench
+
+    kube, ns = _kube(args), _namespace(args)
+    trials = bench.run(kube, ns, args.name, args.trials, progress=lambda m: print(m, flush=True))
+    summary = bench.summarize_trials(trials)
+    print(bench.table(summary))
+    meta = {
+        "command": "kubectl rekindle " + " ".join(sys.argv[1:]),
+        "inferenceService": args.name,
+        "namespace": ns,
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+    if args.json:
+        bench.write_json(args.json, trials, meta)
+        print(f"wrote {args.json}")
+    if args.plot:
+        bench.plot(trials, args.plot, f"{args.name}: cold start, scale 0→1 ({args.trials} trials)")
+        print(f"wrote {args.plot}")
+    return 0
+
+
+COMMANDS = {
+    "checkpoint": cmd_checkpoint,
+    "restore": cmd_restore,
+    "status": cmd_status,
+    "bench": cmd_bench,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.cmd](args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # a clear one-line error, not a traceback, for kubectl users
+        from rekindle_operator.kube import KubeError
+
+        if isinstance(e, KubeError):
+            print(f"error: {e.message}", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -171,7 +171,7 @@ def validate(s: IsvcSpec) -> None:
         if flag in MANAGED_VLLM_FLAGS:
             raise SpecError(
                 f"spec.vllmArgs sets {flag}, which the operator manages: "
-                "use the matching spec field (model, multimodal, kvCache, tensorParallelSize)"
+                "use spec.model, spec.multimodal, spec.kvCache or spec.tensorParallelSize instead"
             )
     if s.mm_shm_cache and s.mm_max_object_mib * 2**20 > s.mm_cache_bytes:
         raise SpecError(

@@ -47,8 +47,9 @@ def cold_start_seconds(pod: Body) -> float | None:
     """Pod creation to its Ready condition: the user-visible cold start."""
     created = (pod.get("metadata") or {}).get("creationTimestamp")
     for cond in (pod.get("status") or {}).get("conditions") or []:
-        if cond.get("type") == "Ready" and cond.get("status") == "True" and created:
-            return (parse_time(cond["lastTransitionTime"]) - parse_time(created)).total_seconds()
+        ready_at = cond.get("lastTransitionTime")
+        if cond.get("type") == "Ready" and cond.get("status") == "True" and created and ready_at:
+            return (parse_time(ready_at) - parse_time(created)).total_seconds()
     return None
 
 

@@ -1,0 +1,170 @@
+"""Each builder's object: the parts that make the feature work."""
+
+from __future__ import annotations
+
+import base64
+
+import pytest
+from rekindle_operator import agent_contract as ac
+from rekindle_operator import builders as b
+from rekindle_operator.constants import NAME_LABEL, SERVING_LABEL
+from rekindle_operator.quantity import to_bytes
+from rekindle_operator.shm import shm_need
+from rekindle_operator.spec import IsvcSpec, parse_spec
+
+OWNER = {"kind": "InferenceService", "metadata": {"name": "tiny", "uid": "u-1"}}
+
+
+def tiny(**over: object) -> IsvcSpec:
+    spec: dict[str, object] = {
+        "model": {"source": "/models/tiny", "servedName": "tiny"},
+        "runtime": {"device": "cpu", "imagePullPolicy": "Never"},
+        "resources": {"memory": "4Gi", "cpu": "1"},
+        "multimodal": {"cacheSize": "512Mi", "maxObjectMiB": 64},
+    }
+    spec.update(over)
+    return parse_spec("tiny", "ns", spec)
+
+
+def deployment(s: IsvcSpec) -> dict:  # type: ignore[type-arg]
+    need = shm_need(s)
+    return b.build_deployment(s, b.effective_shm_bytes(s, need), "fp", owner=OWNER)
+
+
+def container(dep: dict) -> dict:  # type: ignore[type-arg]
+    return dep["spec"]["template"]["spec"]["containers"][0]  # type: ignore[no-any-return]
+
+
+def test_deployment_sizes_dev_shm_and_memory_limit() -> None:
+    s = tiny()
+    need = shm_need(s)
+    dep = deployment(s)
+    vols = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    assert vols["dshm"]["emptyDir"]["medium"] == "Memory"
+    assert to_bytes(vols["dshm"]["emptyDir"]["sizeLimit"]) == need.total
+    mounts = {m["name"]: m["mountPath"] for m in container(dep)["volumeMounts"]}
+    assert mounts["dshm"] == "/dev/shm"
+    limit = to_bytes(container(dep)["resources"]["limits"]["memory"])
+    assert limit == to_bytes("4Gi") + need.total
+
+
+def test_explicit_shm_size_is_used_when_big_enough() -> None:
+    s = tiny(sharedMemory={"size": "8Gi"})
+    dep = deployment(s)
+    vols = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    assert vols["dshm"]["emptyDir"]["sizeLimit"] == "8192Mi"
+    assert b.shm_shortfall(s, shm_need(s)) is None
+
+
+def test_shortfall_message_gives_the_computed_number() -> None:
+    s = tiny(sharedMemory={"size": "600Mi"})
+    need = shm_need(s)
+    msg = b.shm_shortfall(s, need)
+    assert msg is not None
+    assert f"{need.total // 2**20}Mi" in msg
+    assert "600Mi" in msg
+
+
+def test_agent_is_entrypoint_with_vllm_shm_flags() -> None:
+    cmd = container(deployment(tiny()))["command"]
+    assert cmd[:2] == list(ac.AGENT_ENTRYPOINT)
+    vllm = cmd[cmd.index("--") + 1 :]
+    i = vllm.index("--mm-processor-cache-type")
+    assert vllm[i + 1] == "shm"
+    assert vllm[vllm.index("--mm-processor-cache-gb") + 1] == "0.5"
+    assert vllm[vllm.index("--mm-shm-cache-max-object-size-mb") + 1] == "64"
+    assert cmd[cmd.index("--checkpoint") + 1] == f"$({ac.CHECKPOINT_ENV})"
+    assert cmd[cmd.index("--device") + 1] == "cpu"
+
+
+def test_gpu_flags_and_resources() -> None:
+    s = tiny(
+        runtime={"device": "gpu"},
+        resources={"gpus": 2, "memory": "16Gi"},
+        tensorParallelSize=2,
+        kvCache={"cpuOffloadSize": "2Gi"},
+    )
+    c = container(deployment(s))
+    cmd = c["command"]
+    assert cmd[cmd.index("--device") + 1] == "cuda"
+    vllm = cmd[cmd.index("--") + 1 :]
+    assert vllm[vllm.index("--tensor-parallel-size") + 1] == "2"
+    assert vllm[vllm.index("--kv-offloading-size") + 1] == "2"
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 2
+
+
+def test_mm_cache_off_has_no_shm_flags() -> None:
+    cmd = container(deployment(tiny(multimodal={"shmCache": False})))["command"]
+    assert "--mm-processor-cache-type" not in cmd
+
+
+def test_checkpoint_pointer_comes_from_configmap_env() -> None:
+    env = {e["name"]: e for e in container(deployment(tiny()))["env"]}
+    ref = env[ac.CHECKPOINT_ENV]["valueFrom"]["configMapKeyRef"]
+    assert ref["name"] == b.configmap_name("tiny")
+    cm = b.build_configmap(tiny(), "/p/x", OWNER)
+    assert cm["data"]["checkpoint"] == "/p/x"
+    never = tiny(coldStart={"restorePolicy": "Never"})
+    assert b.build_configmap(never, "/p/x")["data"]["checkpoint"] == ""
+
+
+def test_service_requires_serving_label_deployment_does_not() -> None:
+    s = tiny()
+    svc = b.build_service(s, OWNER)
+    dep = deployment(s)
+    assert svc["spec"]["selector"][SERVING_LABEL] == "true"
+    assert SERVING_LABEL not in dep["spec"]["selector"]["matchLabels"]
+    assert dep["spec"]["template"]["metadata"]["labels"][SERVING_LABEL] == "true"
+    assert dep["spec"]["selector"]["matchLabels"] == {NAME_LABEL: "tiny"}
+    assert svc["spec"]["ports"][0]["port"] == ac.SERVE_PORT
+
+
+def test_owned_objects_carry_owner_reference() -> None:
+    s = tiny()
+    for obj in (b.build_service(s, OWNER), deployment(s), b.build_secret(s, OWNER)):
+        ref = obj["metadata"]["ownerReferences"][0]
+        assert ref["uid"] == "u-1" and ref["controller"] is True
+
+
+def test_secret_token_random_unless_given() -> None:
+    s = tiny()
+    one = b.build_secret(s)["data"][ac.TOKEN_KEY]
+    two = b.build_secret(s)["data"][ac.TOKEN_KEY]
+    assert one != two and len(base64.b64decode(one)) >= 32
+    fixed = b.build_secret(s, token="abc")["data"][ac.TOKEN_KEY]
+    assert base64.b64decode(fixed) == b"abc"
+
+
+def test_storage_pvc_or_hostpath() -> None:
+    pvc_spec = tiny(coldStart={"storage": {"type": "pvc", "pvc": {"size": "5Gi"}}})
+    pvc = b.build_pvc(pvc_spec, OWNER)
+    assert pvc is not None
+    assert pvc["spec"]["resources"]["requests"]["storage"] == "5Gi"
+    assert "ownerReferences" not in pvc["metadata"]  # Retain by default
+    deleting = tiny(coldStart={"storage": {"type": "pvc", "deletionPolicy": "Delete"}})
+    assert b.build_pvc(deleting, OWNER)["metadata"]["ownerReferences"]  # type: ignore[index]
+    hp = tiny(coldStart={"storage": {"type": "hostPath", "hostPath": {"path": "/data/ck"}}})
+    assert b.build_pvc(hp) is None
+    vols = {v["name"]: v for v in deployment(hp)["spec"]["template"]["spec"]["volumes"]}
+    assert vols["checkpoints"]["hostPath"]["path"] == "/data/ck"
+    existing = tiny(coldStart={"storage": {"pvc": {"existingClaim": "shared"}}})
+    assert b.build_pvc(existing) is None
+    vols = {v["name"]: v for v in deployment(existing)["spec"]["template"]["spec"]["volumes"]}
+    assert vols["checkpoints"]["persistentVolumeClaim"]["claimName"] == "shared"
+
+
+def test_restart_token_changes_pod_template() -> None:
+    a = deployment(parse_spec("t", "ns", {"model": {"source": "/m"}}, {}))
+    c = deployment(
+        parse_spec("t", "ns", {"model": {"source": "/m"}}, {"rekindle.dev/restartedAt": "1"})
+    )
+    assert a["spec"]["template"] != c["spec"]["template"]
+
+
+def test_cleanup_job_only_below_checkpoint_mount() -> None:
+    s = tiny()
+    job = b.build_cleanup_job(s, "c1", f"{ac.CHECKPOINT_MOUNT}/tiny/c1-abc")
+    assert job["spec"]["template"]["spec"]["containers"][0]["command"][-1].endswith("c1-abc")
+    for bad in ("/etc", f"{ac.CHECKPOINT_MOUNT}/../x", ac.CHECKPOINT_MOUNT):
+        with pytest.raises(ValueError, match="refusing"):
+            b.build_cleanup_job(s, "c1", bad)

@@ -1,0 +1,65 @@
+"""Spec parsing and the operator-side validation (mirrors of the CRD's CEL rules)."""
+
+from __future__ import annotations
+
+import pytest
+from rekindle_operator.quantity import mib_str, parse_quantity, to_bytes
+from rekindle_operator.spec import SpecError, parse_spec
+
+
+def parse(**spec: object) -> object:
+    return parse_spec("x", "ns", {"model": {"source": "/m"}, **spec})
+
+
+def test_defaults() -> None:
+    s = parse_spec("tiny", "ns", {"model": {"source": "/models/tiny"}})
+    assert s.served_name == "tiny"
+    assert s.device == "cpu"
+    assert s.replicas == 1
+    assert s.mm_shm_cache and s.mm_cache_bytes == 4 * 2**30
+    assert s.storage.type == "pvc" and s.restore_policy == "IfAvailable"
+
+
+def test_restart_annotation_is_carried() -> None:
+    s = parse_spec("a", "ns", {"model": {"source": "/m"}}, {"rekindle.dev/restartedAt": "t1"})
+    assert s.restart_token == "t1"
+
+
+@pytest.mark.parametrize(
+    ("spec", "words"),
+    [
+        ({"replicas": -1}, "spec.replicas"),
+        ({"tensorParallelSize": 0}, "tensorParallelSize"),
+        ({"runtime": {"device": "tpu"}}, "'cpu' or 'gpu'"),
+        (
+            {"runtime": {"device": "gpu"}, "tensorParallelSize": 2, "resources": {"gpus": 1}},
+            "spec.resources.gpus",
+        ),
+        ({"vllmArgs": ["--port=9000"]}, "--port"),
+        ({"vllmArgs": ["--mm-processor-cache-gb", "8"]}, "spec.multimodal"),
+        ({"multimodal": {"cacheSize": "64Mi", "maxObjectMiB": 128}}, "maxObjectMiB"),
+        ({"coldStart": {"storage": {"type": "nfs"}}}, "'pvc' or 'hostPath'"),
+        ({"coldStart": {"storage": {"type": "hostPath", "hostPath": {"path": "rel"}}}}, "absolute"),
+        ({"coldStart": {"restorePolicy": "Always"}}, "IfAvailable or Never"),
+        ({"multimodal": {"cacheSize": "lots"}}, "quantity"),
+    ],
+)
+def test_refusals_name_the_field(spec: dict[str, object], words: str) -> None:
+    with pytest.raises((SpecError, ValueError), match=words.replace("(", r"\(")):
+        parse(**spec)
+
+
+def test_missing_model_source() -> None:
+    with pytest.raises(SpecError, match=r"spec\.model\.source"):
+        parse_spec("x", "ns", {"model": {}})
+
+
+def test_quantities() -> None:
+    assert to_bytes("1.5Gi") == 3 * 2**29
+    assert to_bytes("1k") == 1000
+    assert to_bytes(3) == 3
+    assert parse_quantity("500m") * 1000 == 500
+    assert to_bytes("0.1") == 1  # rounded up
+    assert mib_str(2**20 + 1) == "2Mi"
+    with pytest.raises(ValueError, match="not a Kubernetes quantity"):
+        to_bytes("12 GB")

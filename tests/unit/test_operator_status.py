@@ -1,0 +1,122 @@
+"""Status computation and the Events its transitions produce."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rekindle_operator.status import (
+    Observed,
+    PodBoot,
+    compute_status,
+    pod_boot,
+    set_condition,
+    transitions,
+)
+
+
+def obs(
+    replicas: int = 1,
+    ready: int = 1,
+    dep_replicas: int = 1,
+    pods: tuple[PodBoot, ...] = (),
+    checkpoint: str | None = None,
+    shm_error: str | None = None,
+    dep: bool = True,
+) -> Observed:
+    return Observed(
+        spec_replicas=replicas,
+        deployment={"status": {"replicas": dep_replicas, "readyReplicas": ready}} if dep else None,
+        pods=pods,
+        checkpoint=checkpoint,
+        shm_bytes=1216 * 2**20,
+        shm_need={"totalBytes": 1216 * 2**20},
+        shm_error=shm_error,
+        selector="rekindle.dev/inferenceservice=tiny",
+        endpoint="http://tiny.ns.svc:8000/v1",
+    )
+
+
+def cond(st: dict[str, Any], t: str) -> dict[str, Any]:
+    return next(c for c in st["conditions"] if c["type"] == t)
+
+
+def test_ready_phase_and_replica_counts() -> None:
+    st = compute_status({}, obs(replicas=2, ready=1, dep_replicas=2))
+    assert st["phase"] == "Degraded"
+    assert st["replicas"] == 2 and st["readyReplicas"] == 1
+    assert st["selector"] == "rekindle.dev/inferenceservice=tiny"
+    st = compute_status({}, obs(replicas=2, ready=2, dep_replicas=2))
+    assert st["phase"] == "Ready" and cond(st, "Ready")["status"] == "True"
+
+
+def test_scale_to_zero_and_pending() -> None:
+    st = compute_status({}, obs(replicas=0, ready=0, dep_replicas=0))
+    assert st["phase"] == "ScaledToZero"
+    assert cond(st, "Ready")["reason"] == "ScaledToZero"
+    assert compute_status({}, obs(dep=False))["phase"] == "Pending"
+
+
+def test_replicas_counts_all_not_only_ready() -> None:
+    st = compute_status({}, obs(replicas=3, ready=0, dep_replicas=3))
+    assert st["replicas"] == 3 and st["readyReplicas"] == 0
+    assert st["phase"] == "Progressing"
+
+
+def test_shm_error_fails_with_message() -> None:
+    st = compute_status({}, obs(shm_error="too small: need 1216Mi"))
+    assert st["phase"] == "Failed"
+    c = cond(st, "SharedMemorySized")
+    assert c["status"] == "False" and "1216Mi" in c["message"]
+
+
+def test_restored_condition_and_cold_start_by_path() -> None:
+    pods = (
+        PodBoot("a", True, "restored", "", "/c/x", 4.0),
+        PodBoot("b", True, "booted", "checksum_mismatch: pages-1.img", None, 41.0),
+    )
+    st = compute_status({"lastColdStartSeconds": {"restored": 9.9}}, obs(pods=pods, checkpoint="x"))
+    c = cond(st, "Restored")
+    assert c["status"] == "False" and "checksum_mismatch" in c["message"]
+    assert st["lastColdStartSeconds"] == {"restored": 4.0, "booted": 41.0}
+    assert cond(st, "CheckpointReady")["status"] == "True"
+    assert [p["origin"] for p in st["pods"]] == ["restored", "booted"]
+
+
+def test_pod_boot_from_agent_reply() -> None:
+    p = {
+        "metadata": {"name": "p", "creationTimestamp": "2026-01-01T00:00:00Z"},
+        "status": {
+            "conditions": [
+                {"type": "Ready", "status": "True", "lastTransitionTime": "2026-01-01T00:00:05Z"}
+            ]
+        },
+    }
+    restored = pod_boot(p, {"origin": "restored", "checkpoint": "/c/x"}, None)
+    assert restored.origin == "restored" and restored.reason == ""
+    assert restored.cold_start_seconds == 5.0
+    booted = pod_boot(
+        p,
+        {"origin": "booted", "last_fallback": {"reason": "file_missing", "message": "pages-1.img"}},
+        None,
+    )
+    assert booted.reason == "file_missing: pages-1.img"
+    unknown = pod_boot(p, None, "connection refused")
+    assert unknown.origin == "unknown" and "refused" in unknown.reason
+
+
+def test_condition_time_moves_only_on_flip() -> None:
+    c1 = set_condition([], "Ready", True, "R", "m")
+    c1[0]["lastTransitionTime"] = "2000-01-01T00:00:00Z"
+    c2 = set_condition(c1, "Ready", True, "R", "m2")
+    assert c2[0]["lastTransitionTime"] == "2000-01-01T00:00:00Z"
+    c3 = set_condition(c2, "Ready", False, "X", "m3")
+    assert c3[0]["lastTransitionTime"] != "2000-01-01T00:00:00Z"
+
+
+def test_transitions_emit_events_once() -> None:
+    old = compute_status({}, obs(replicas=1, ready=0))
+    new = compute_status(old, obs(replicas=1, ready=1))
+    ev = transitions(old, new)
+    reasons = [r for _, r, _ in ev]
+    assert "PhaseReady" in reasons and "ReadyReplicasReady" in reasons
+    assert transitions(new, compute_status(new, obs(replicas=1, ready=1))) == []

@@ -1,0 +1,79 @@
+{{- define "rekindle.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "rekindle.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "rekindle.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "rekindle.labels" -}}
+helm.sh/chart: {{ include "rekindle.chart" . }}
+{{ include "rekindle.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: rekindle
+{{- end }}
+
+{{- define "rekindle.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "rekindle.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end }}
+
+{{- define "rekindle.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "rekindle.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* The namespaced permissions: exactly the objects the operator reads and writes. */}}
+{{- define "rekindle.namespacedRules" -}}
+# InferenceService and Checkpoint: watched; kopf patches metadata (finalizers,
+# its progress annotations); the operator writes status and checkpoint owner refs.
+- apiGroups: ["rekindle.dev"]
+  resources: ["inferenceservices", "checkpoints"]
+  verbs: ["get", "list", "watch", "patch"]
+- apiGroups: ["rekindle.dev"]
+  resources: ["inferenceservices/status", "checkpoints/status"]
+  verbs: ["get", "patch"]
+# Owned objects: server-side apply (patch) or create-once.
+- apiGroups: ["apps"]
+  resources: ["deployments"]
+  verbs: ["get", "list", "watch", "create", "patch"]
+- apiGroups: [""]
+  resources: ["services", "configmaps"]
+  verbs: ["get", "create", "patch"]
+# The agent token: created once, read to call the agent; never listed.
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get", "create"]
+- apiGroups: [""]
+  resources: ["persistentvolumeclaims"]
+  verbs: ["get", "create"]
+# Pods: pick one to checkpoint, take it out of the Service (label), mirror its boot path.
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list", "watch", "patch"]
+# Deleting a checkpoint's data (deletionPolicy Delete) runs a short Job.
+- apiGroups: ["batch"]
+  resources: ["jobs"]
+  verbs: ["get", "create"]
+- apiGroups: ["", "events.k8s.io"]
+  resources: ["events"]
+  verbs: ["create", "patch"]
+{{- end }}

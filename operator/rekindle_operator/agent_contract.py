@@ -43,7 +43,8 @@ CHECKPOINT_MOUNT = "/var/lib/rekindle/checkpoints"
 # key, so pointing new replicas at a newer checkpoint does not roll the
 # running ones (env is resolved at container start). Empty: boot normally.
 CHECKPOINT_ENV = "REKINDLE_CHECKPOINT"
-AGENT_ENTRYPOINT = ("rekindle", "agent")
+# The runtime images put the agent on PYTHONPATH (not installed): run it as a module.
+AGENT_ENTRYPOINT = ("python", "-m", "rekindle_agent.cli", "agent")
 
 _RESTORE_POLICY = {"IfAvailable": "if-present", "Never": "never"}
 

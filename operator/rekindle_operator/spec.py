@@ -13,7 +13,7 @@ from typing import Any
 
 from rekindle_operator.quantity import to_bytes
 
-DEFAULT_IMAGE = "rekindle/runtime-cpu:dev"
+DEFAULT_IMAGE = "rekindle.local/runtime-cpu:dev"
 
 # vLLM flags the operator sets itself; a user passing them in vllmArgs would
 # silently fight the operator (ports, shm cache sizing), so they are refused.

@@ -67,7 +67,7 @@ def test_shortfall_message_gives_the_computed_number() -> None:
 
 def test_agent_is_entrypoint_with_vllm_shm_flags() -> None:
     cmd = container(deployment(tiny()))["command"]
-    assert cmd[:2] == list(ac.AGENT_ENTRYPOINT)
+    assert cmd[: len(ac.AGENT_ENTRYPOINT)] == list(ac.AGENT_ENTRYPOINT)
     vllm = cmd[cmd.index("--") + 1 :]
     i = vllm.index("--mm-processor-cache-type")
     assert vllm[i + 1] == "shm"

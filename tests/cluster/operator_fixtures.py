@@ -1,0 +1,236 @@
+"""Operator-specific helpers for the cluster suite: CRDs, the operator process, objects.
+
+The operator runs outside the cluster (kopf against the kubeconfig), started as
+a subprocess in its own process group and killed with it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.cluster.kube import ENV, REPO, kubectl, kubectl_json, wait_until
+
+CRDS = REPO / "charts" / "rekindle" / "crds"
+RUNTIME_IMAGE = "rekindle.local/runtime-cpu:dev"
+PYTHONPATH = os.pathsep.join([str(REPO / "operator"), str(REPO / "images" / "runtime")])
+
+
+def install_crds() -> None:
+    kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRDS))
+    for f in sorted(CRDS.glob("*.yaml")):
+        name = yaml.safe_load(f.read_text())["metadata"]["name"]
+        kubectl("wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s")
+
+
+def apply(
+    obj: dict[str, Any] | str, namespace: str, *extra: str
+) -> subprocess.CompletedProcess[str]:
+    text = obj if isinstance(obj, str) else json.dumps(obj)
+    return kubectl("apply", "-n", namespace, *extra, "-f", "-", input=text, check=False)
+
+
+def get(kind: str, name: str, namespace: str) -> dict[str, Any] | None:
+    r = kubectl("get", kind, name, "-n", namespace, "-o", "json", check=False)
+    return json.loads(r.stdout) if r.returncode == 0 else None
+
+
+def isvc_manifest(name: str, host_path: str, **spec: Any) -> dict[str, Any]:
+    """The sample InferenceService (examples/tiny-cpu.yaml) with a per-test storage path."""
+    doc: dict[str, Any] = yaml.safe_load((REPO / "examples" / "tiny-cpu.yaml").read_text())
+    doc["metadata"] = {"name": name}
+    doc["spec"]["coldStart"]["storage"]["hostPath"]["path"] = host_path
+    doc["spec"].update(spec)
+    return doc
+
+
+class OperatorProcess:
+    """`python -m rekindle_operator` for one namespace, restartable, killed as a group."""
+
+    def __init__(self, namespace: str, log: Path) -> None:
+        self.namespace = namespace
+        self.log = log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        env = {**ENV, "PYTHONPATH": PYTHONPATH, "REKINDLE_STATUS_INTERVAL": "2"}
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "rekindle_operator", "--namespace", self.namespace, "-v"],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, sig)
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def tail(self, n: int = 60) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+
+@pytest.fixture(scope="module")
+def op_namespace(cluster: dict[str, str]) -> Iterator[str]:
+    """One namespace for a module (vLLM boots are expensive: tests share them)."""
+    name = f"rk-{uuid.uuid4().hex[:8]}"
+    install_crds()
+    kubectl("create", "namespace", name)
+    wait_until(
+        "the default ServiceAccount",
+        lambda: kubectl("get", "sa", "default", "-n", name, check=False).returncode == 0,
+        60,
+    )
+    yield name
+    # Finalizers left by a stopped operator must not keep the namespace alive.
+    for kind in ("checkpoints.rekindle.dev", "inferenceservices.rekindle.dev"):
+        items = kubectl("get", kind, "-n", name, "-o", "name", check=False).stdout.split()
+        for item in items:
+            kubectl(
+                "patch",
+                item,
+                "-n",
+                name,
+                "--type=merge",
+                "-p",
+                '{"metadata":{"finalizers":null}}',
+                check=False,
+            )
+    kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="module")
+def operator(
+    op_namespace: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[OperatorProcess]:
+    op = OperatorProcess(op_namespace, tmp_path_factory.mktemp("operator") / "operator.log")
+    op.start()
+    yield op
+    # Delete what the operator manages while it still runs (its finalizers need it).
+    for kind in ("checkpoints.rekindle.dev", "inferenceservices.rekindle.dev"):
+        kubectl("delete", kind, "--all", "-n", op_namespace, "--timeout=60s", check=False)
+    op.kill(signal.SIGTERM)
+    print(f"operator log tail:\n{op.tail()}")
+
+
+@pytest.fixture(scope="module")
+def kubectl_rekindle(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """An environment where `kubectl rekindle` finds the plugin (as the console script would)."""
+    bindir = tmp_path_factory.mktemp("plugin-bin")
+    script = bindir / "kubectl-rekindle"
+    script.write_text(
+        f"#!/bin/sh\nexport PYTHONPATH={PYTHONPATH}\n"
+        f'exec {sys.executable} -m rekindle_operator.kubectl_plugin "$@"\n'
+    )
+    script.chmod(script.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    return {**ENV, "PATH": f"{bindir}{os.pathsep}{ENV['PATH']}"}
+
+
+def run_plugin(
+    env: dict[str, str], *args: str, timeout: float = 900
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["kubectl", "rekindle", *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def require_runtime_image() -> None:
+    """The lead's scripts load the runtime image into the node; say how if it is missing."""
+    out = subprocess.run(
+        [
+            "crictl",
+            "--runtime-endpoint",
+            "unix:///run/rekindle-cluster/containerd/containerd.sock",
+            "images",
+            "-o",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+    )
+    if out.returncode == 0 and RUNTIME_IMAGE.split(":")[0] in out.stdout:
+        return
+    ctr = subprocess.run(
+        [
+            "ctr",
+            "--address",
+            "/run/rekindle-cluster/containerd/containerd.sock",
+            "-n",
+            "k8s.io",
+            "images",
+            "ls",
+            "-q",
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+    )
+    if RUNTIME_IMAGE in ctr.stdout or f"docker.io/{RUNTIME_IMAGE}" in ctr.stdout:
+        return
+    pytest.fail(
+        f"{RUNTIME_IMAGE} is not loaded into the node: run "
+        "`scripts/local-cluster load-image $(scripts/build-image runtime-cpu)`"
+    )
+
+
+def wait_status(
+    kind: str, name: str, namespace: str, what: str, cond: Any, timeout: float = 300
+) -> dict[str, Any]:
+    """Poll an object until cond(obj) holds; returns the object (fails with its status)."""
+    last: dict[str, Any] = {}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        obj = get(kind, name, namespace)
+        if obj is not None:
+            last = obj
+            if cond(obj):
+                return obj
+        time.sleep(1)
+    raise AssertionError(
+        f"timed out after {timeout:.0f}s waiting for {kind}/{name}: {what}; last status: "
+        f"{json.dumps(last.get('status'), indent=1)[:3000]}"
+    )
+
+
+def http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 60) -> Any:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def service_url(name: str, namespace: str) -> str:
+    svc = kubectl_json("get", "svc", name, "-n", namespace)
+    port = svc["spec"]["ports"][0]["port"]
+    return f"http://{svc['spec']['clusterIP']}:{port}"
+
+
+def pods_of(name: str, namespace: str) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = kubectl_json(
+        "get", "pods", "-n", namespace, "-l", f"rekindle.dev/inferenceservice={name}"
+    )["items"]
+    return [p for p in items if not p["metadata"].get("deletionTimestamp")]

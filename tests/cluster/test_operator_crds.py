@@ -1,0 +1,160 @@
+"""The CRDs against the real apiserver: refusals at apply time, defaults, scale, dry-run builders.
+
+These need only the cluster (no operator, no runtime image).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import yaml
+from rekindle_operator import builders as b
+from rekindle_operator.fingerprint import spec_fingerprint
+from rekindle_operator.shm import shm_need
+from rekindle_operator.spec import parse_spec
+
+from tests.cluster.kube import REPO, helm, kubectl, kubectl_json
+from tests.cluster.operator_fixtures import apply, install_crds, isvc_manifest
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture(scope="module", autouse=True)
+def crds(cluster: dict[str, str]) -> None:
+    install_crds()
+
+
+def refused(namespace: str, obj: dict[str, Any]) -> str:
+    r = apply(obj, namespace)
+    assert r.returncode != 0, f"apply was accepted: {r.stdout}"
+    return r.stderr
+
+
+def sample(**spec: Any) -> dict[str, Any]:
+    return isvc_manifest("tiny", "/var/lib/rekindle/test", **spec)
+
+
+def test_sample_is_accepted_and_defaulted(namespace: str) -> None:
+    r = apply(sample(), namespace)
+    assert r.returncode == 0, r.stderr
+    obj = kubectl_json("get", "rkis", "tiny", "-n", namespace)
+    spec = obj["spec"]
+    assert spec["kvCache"] == {"prefixCaching": True, "cpuOffloadSize": "0"}
+    assert spec["coldStart"]["restorePolicy"] == "IfAvailable"
+    assert spec["coldStart"]["storage"]["deletionPolicy"] == "Retain"
+    assert spec["tensorParallelSize"] == 1
+    # The short name and the category work with kubectl.
+    assert "tiny" in kubectl("get", "rekindle", "-n", namespace).stdout
+
+
+def test_shm_below_multimodal_cache_refused_with_what_to_change(namespace: str) -> None:
+    err = refused(namespace, sample(sharedMemory={"size": "256Mi"}))
+    assert "spec.sharedMemory.size 256Mi is below spec.multimodal.cacheSize 512Mi" in err
+    assert "Raise spec.sharedMemory.size" in err
+
+
+def test_unknown_field_refused(namespace: str) -> None:
+    err = refused(namespace, sample(sharedMemroy={"size": "2Gi"}))
+    assert 'unknown field "spec.sharedMemroy"' in err
+
+
+def test_negative_replicas_refused(namespace: str) -> None:
+    err = refused(namespace, sample(replicas=-1))
+    assert "spec.replicas" in err and "greater than or equal to 0" in err
+
+
+@pytest.mark.parametrize(
+    ("spec", "words"),
+    [
+        ({"vllmArgs": ["--port=9000"]}, "flag the operator manages"),
+        ({"runtime": {"device": "gpu"}, "tensorParallelSize": 2}, "set spec.resources.gpus"),
+        ({"multimodal": {"cacheSize": "64Mi", "maxObjectMiB": 128}}, "lower maxObjectMiB"),
+        ({"multimodal": {"cacheSize": "lots"}}, "must be a non-negative quantity"),
+        ({"sharedMemory": {"size": "big"}}, "must be a quantity such as 2Gi"),
+        (
+            {"coldStart": {"storage": {"type": "hostPath", "hostPath": {"path": "rel"}}}},
+            "must be an absolute path",
+        ),
+        ({"runtime": {"device": "tpu"}}, "supported values"),
+    ],
+)
+def test_other_refusals(namespace: str, spec: dict[str, Any], words: str) -> None:
+    assert words in refused(namespace, sample(**spec))
+
+
+def test_checkpoint_spec_is_immutable(namespace: str) -> None:
+    ck = {
+        "apiVersion": "rekindle.dev/v1alpha1",
+        "kind": "Checkpoint",
+        "metadata": {"name": "c1"},
+        "spec": {"inferenceService": "tiny"},
+    }
+    assert apply(ck, namespace).returncode == 0
+    ck["spec"]["inferenceService"] = "other"
+    assert "spec is immutable" in refused(namespace, ck)
+    bad = {**ck, "metadata": {"name": "c2"}, "spec": {"inferenceService": "Not_A_Name"}}
+    assert "spec.inferenceService" in refused(namespace, bad)
+
+
+def test_scale_subresource(namespace: str) -> None:
+    assert apply(sample(), namespace).returncode == 0
+    kubectl("scale", "rkis/tiny", "-n", namespace, "--replicas=3")
+    assert kubectl_json("get", "rkis", "tiny", "-n", namespace)["spec"]["replicas"] == 3
+    # status.selector feeds HPA/KEDA through the scale subresource.
+    kubectl(
+        "patch",
+        "rkis/tiny",
+        "-n",
+        namespace,
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        json.dumps({"status": {"replicas": 2, "selector": b.selector_string("tiny")}}),
+    )
+    scale = kubectl_json(
+        "get",
+        "--raw",
+        f"/apis/rekindle.dev/v1alpha1/namespaces/{namespace}/inferenceservices/tiny/scale",
+    )
+    assert scale["spec"]["replicas"] == 3 and scale["status"]["replicas"] == 2
+    assert scale["status"]["selector"] == "rekindle.dev/inferenceservice=tiny"
+
+
+def test_builders_pass_server_side_validation(namespace: str) -> None:
+    assert apply(sample(), namespace).returncode == 0
+    owner = kubectl_json("get", "rkis", "tiny", "-n", namespace)
+    spec = parse_spec("tiny", namespace, owner["spec"])
+    need = shm_need(spec)
+    objs = [
+        b.build_deployment(spec, b.effective_shm_bytes(spec, need), spec_fingerprint(spec), owner),
+        b.build_service(spec, owner),
+        b.build_secret(spec, owner),
+        b.build_configmap(spec, "", owner),
+        b.build_cleanup_job(spec, "c1", "/var/lib/rekindle/checkpoints/tiny/c1-abc", owner),
+    ]
+    pvc_spec = parse_spec(
+        "tiny", namespace, {**owner["spec"], "coldStart": {"storage": {"type": "pvc"}}}
+    )
+    objs.append(b.build_pvc(pvc_spec, owner))  # type: ignore[arg-type]
+    for obj in objs:
+        r = apply(obj, namespace, "--dry-run=server")
+        assert r.returncode == 0, f"{obj['kind']}: {r.stderr}"
+
+
+def test_chart_renders_and_validates(namespace: str) -> None:
+    chart = str(REPO / "charts" / "rekindle")
+    lint = helm("lint", chart)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+    out = helm("template", "rk", chart, "-n", namespace).stdout
+    kinds = {d["kind"] for d in yaml.safe_load_all(out) if d}
+    assert {"Deployment", "ServiceAccount", "ClusterRole", "ClusterRoleBinding"} <= kinds
+    r = kubectl("apply", "-n", namespace, "--dry-run=server", "-f", "-", input=out, check=False)
+    assert r.returncode == 0, r.stderr
+    scoped = helm(
+        "template", "rk", chart, "-n", namespace, "--set", f"watchNamespaces={{{namespace}}}"
+    ).stdout
+    assert "kind: Role\n" in scoped and "--namespace=" + namespace in scoped
+    bad = helm("template", "rk", chart, "--set", "statusIntervalSeconds=-1", check=False)
+    assert bad.returncode != 0 and "statusIntervalSeconds" in bad.stderr

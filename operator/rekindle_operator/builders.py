@@ -182,7 +182,7 @@ def build_service(spec: IsvcSpec, owner: Mapping[str, Any] | None = None) -> Obj
     }
 
 
-def _checkpoint_volume(spec: IsvcSpec) -> Obj:
+def checkpoint_volume(spec: IsvcSpec) -> Obj:
     if spec.storage.type == "hostPath":
         return {
             "name": "checkpoints",
@@ -266,7 +266,7 @@ def build_pod_template(spec: IsvcSpec, shm_bytes: int, fingerprint: str) -> Obj:
                     "name": "agent-token",
                     "secret": {"secretName": secret_name(spec.name), "defaultMode": 0o400},
                 },
-                _checkpoint_volume(spec),
+                checkpoint_volume(spec),
             ],
         },
     }
@@ -295,12 +295,19 @@ def build_deployment(
 
 
 def build_cleanup_job(
-    spec: IsvcSpec, checkpoint: str, path: str, owner: Mapping[str, Any] | None = None
+    namespace: str,
+    checkpoint: str,
+    path: str,
+    volume: Mapping[str, Any],
+    image: str,
+    pull_policy: str = "IfNotPresent",
 ) -> Obj:
     """A Job that deletes one checkpoint's data (deletionPolicy Delete).
 
     The operator does not mount the storage itself; the runtime image (already
-    on the node) does the rm, so no other image is needed.
+    on the node) does the rm, so no other image is needed. volume and image
+    are recorded in the Checkpoint's status, so this works after the
+    InferenceService is gone too.
     """
     if not path.startswith(ac.CHECKPOINT_MOUNT + "/") or ".." in path.split("/"):
         raise ValueError(f"refusing to delete {path!r}: not below {ac.CHECKPOINT_MOUNT}")
@@ -308,7 +315,9 @@ def build_cleanup_job(
         "apiVersion": "batch/v1",
         "kind": "Job",
         "metadata": {
-            **_meta(spec, f"{spec.name}-rm-{checkpoint}"[:63].rstrip("-"), owner, "cleanup"),
+            "name": f"rm-{checkpoint}"[:63].rstrip("-"),
+            "namespace": namespace,
+            "labels": {COMPONENT_LABEL: "cleanup", MANAGED_BY_LABEL: MANAGED_BY},
         },
         "spec": {
             "backoffLimit": 2,
@@ -320,15 +329,15 @@ def build_cleanup_job(
                     "containers": [
                         {
                             "name": "rm",
-                            "image": spec.image,
-                            "imagePullPolicy": spec.image_pull_policy,
+                            "image": image,
+                            "imagePullPolicy": pull_policy,
                             "command": ["rm", "-rf", "--one-file-system", path],
                             "volumeMounts": [
                                 {"name": "checkpoints", "mountPath": ac.CHECKPOINT_MOUNT}
                             ],
                         }
                     ],
-                    "volumes": [_checkpoint_volume(spec)],
+                    "volumes": [{**volume, "name": "checkpoints"}],
                 },
             },
         },

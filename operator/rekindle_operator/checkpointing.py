@@ -157,6 +157,10 @@ def run_checkpoint(
         "path": path,
         "fingerprint": spec_fingerprint(isvc_spec),
         "startedAt": started,
+        # What deleting the data needs, even once the InferenceService is gone.
+        "volume": b.checkpoint_volume(isvc_spec),
+        "image": isvc_spec.image,
+        "imagePullPolicy": isvc_spec.image_pull_policy,
     }
     _set_status(kube, body, running)
     emit("Normal", "CheckpointStarted", f"checkpointing pod {pod_name} into {path}")
@@ -234,15 +238,18 @@ def delete_data(kube: Kube, body: Body, emit: Emit) -> str:
     """Apply spec.deletionPolicy when a Checkpoint is deleted; returns what was done."""
     spec, status = body.get("spec") or {}, body.get("status") or {}
     path = status.get("path")
-    if spec.get("deletionPolicy", "Delete") == "Retain" or not path:
-        return "retained" if path else "nothing to delete"
-    ns = body["metadata"]["namespace"]
-    isvc = kube.get(ISVC_KIND, ns, spec.get("inferenceService", ""))
-    if isvc is None or isvc["metadata"].get("deletionTimestamp"):
-        # The storage goes with the InferenceService (a PVC with deletionPolicy
-        # Delete) or stays (Retain / hostPath): nothing mounts it any more.
-        return "storage owner gone; data follows the storage's own policy"
-    job = b.build_cleanup_job(spec_of(isvc), body["metadata"]["name"], path)
+    if not path or not status.get("volume") or not status.get("image"):
+        return "nothing to delete"
+    if spec.get("deletionPolicy", "Delete") == "Retain":
+        return f"retained {path}"
+    job = b.build_cleanup_job(
+        body["metadata"]["namespace"],
+        body["metadata"]["name"],
+        path,
+        status["volume"],
+        status["image"],
+        status.get("imagePullPolicy", "IfNotPresent"),
+    )
     kube.create_if_absent(job)
     emit("Normal", "CheckpointDataDeleted", f"deleting {path} (deletionPolicy Delete)")
     return f"deleting {path}"

@@ -132,7 +132,13 @@ def test_builders_pass_server_side_validation(namespace: str) -> None:
         b.build_service(spec, owner),
         b.build_secret(spec, owner),
         b.build_configmap(spec, "", owner),
-        b.build_cleanup_job(spec, "c1", "/var/lib/rekindle/checkpoints/tiny/c1-abc", owner),
+        b.build_cleanup_job(
+            namespace,
+            "c1",
+            "/var/lib/rekindle/checkpoints/tiny/c1-abc",
+            b.checkpoint_volume(spec),
+            spec.image,
+        ),
     ]
     pvc_spec = parse_spec(
         "tiny", namespace, {**owner["spec"], "coldStart": {"storage": {"type": "pvc"}}}

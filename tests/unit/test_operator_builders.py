@@ -162,9 +162,12 @@ def test_restart_token_changes_pod_template() -> None:
 
 
 def test_cleanup_job_only_below_checkpoint_mount() -> None:
-    s = tiny()
-    job = b.build_cleanup_job(s, "c1", f"{ac.CHECKPOINT_MOUNT}/tiny/c1-abc")
-    assert job["spec"]["template"]["spec"]["containers"][0]["command"][-1].endswith("c1-abc")
+    s = tiny(coldStart={"storage": {"type": "hostPath", "hostPath": {"path": "/data/ck"}}})
+    vol = b.checkpoint_volume(s)
+    job = b.build_cleanup_job("ns", "c1", f"{ac.CHECKPOINT_MOUNT}/tiny/c1-abc", vol, s.image)
+    pod = job["spec"]["template"]["spec"]
+    assert pod["containers"][0]["command"][-1].endswith("c1-abc")
+    assert pod["volumes"][0]["hostPath"]["path"] == "/data/ck"
     for bad in ("/etc", f"{ac.CHECKPOINT_MOUNT}/../x", ac.CHECKPOINT_MOUNT):
         with pytest.raises(ValueError, match="refusing"):
-            b.build_cleanup_job(s, "c1", bad)
+            b.build_cleanup_job("ns", "c1", bad, vol, s.image)

@@ -294,14 +294,17 @@ def test_restart_with_pod_gone() -> None:
     assert kube.get("Checkpoint", NS, "c1")["status"]["reason"] == "PodGone"  # type: ignore[index]
 
 
-def test_delete_policy() -> None:
+def test_delete_policy_survives_the_inference_service() -> None:
     kube, events = world()
-    path = b.checkpoint_path("tiny", "c1", "0123456789")
-    body = new_ckpt(kube, phase="Ready", path=path)
-    assert cp.delete_data(kube, body, lambda *e: events.append(e)).startswith("deleting")
-    assert any(k == "Job" for k, _, _ in kube.objs)
-    body["spec"]["deletionPolicy"] = "Retain"
-    assert cp.delete_data(kube, body, lambda *e: events.append(e)) == "retained"
+    agent = FakeAgent(manifest=MANIFEST)
+    cp.run_checkpoint(kube, new_ckpt(kube), lambda *e: events.append(e), client_for=agent)
+    body = kube.get("Checkpoint", NS, "c1")
+    kube.delete("InferenceService", NS, "tiny")
+    assert cp.delete_data(kube, body, lambda *e: events.append(e)).startswith("deleting")  # type: ignore[arg-type]
+    (job,) = [o for (k, _, _), o in kube.objs.items() if k == "Job"]
+    assert job["spec"]["template"]["spec"]["containers"][0]["command"][-1] == body["status"]["path"]  # type: ignore[index]
+    body["spec"]["deletionPolicy"] = "Retain"  # type: ignore[index]
+    assert cp.delete_data(kube, body, lambda *e: None).startswith("retained")  # type: ignore[arg-type]
 
 
 def test_reconcile_creates_objects_and_points_at_checkpoint() -> None:

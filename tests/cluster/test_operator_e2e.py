@@ -1,0 +1,339 @@
+"""The operator end to end on the real local cluster, with the real CPU runtime image.
+
+One InferenceService is shared by the module (each vLLM boot costs ~30-60 s):
+serve -> checkpoint -> scale 0->1 restores with identical greedy output ->
+a corrupted checkpoint boots normally and says why -> the operator killed
+mid-checkpoint recovers -> deleting cleans up. Refusals that need the
+operator (a Checkpoint naming a missing InferenceService, /dev/shm below the
+full computed need) run beside it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rekindle_operator.quantity import to_bytes
+from rekindle_operator.shm import shm_need
+from rekindle_operator.spec import parse_spec
+
+from tests.cluster.kube import kubectl, kubectl_json, wait_until
+from tests.cluster.operator_fixtures import (
+    OperatorProcess,
+    apply,
+    get,
+    http_json,
+    isvc_manifest,
+    kubectl_rekindle,
+    op_namespace,
+    operator,
+    pods_of,
+    require_runtime_image,
+    run_plugin,
+    service_url,
+    wait_status,
+)
+
+__all__ = ["kubectl_rekindle", "op_namespace", "operator"]  # fixtures used by name
+
+pytestmark = pytest.mark.cluster
+NAME = "tiny"
+PROMPTS = ("Hello, my name is", "The capital of France is", "1, 2, 3, 4,")
+
+
+@pytest.fixture(scope="module")
+def host_dir(op_namespace: str) -> Iterator[Path]:
+    path = Path(f"/var/lib/rekindle/test-{op_namespace}")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def isvc(ns: str) -> dict[str, Any]:
+    obj = get("rkis", NAME, ns)
+    assert obj is not None
+    return obj
+
+
+def ready_with(ns: str, origin: str, timeout: float = 600) -> dict[str, Any]:
+    """Wait until the one replica is Ready and the operator reports how it came up."""
+
+    def ok(o: dict[str, Any]) -> bool:
+        st = o.get("status") or {}
+        pods = st.get("pods") or []
+        return (
+            st.get("phase") == "Ready"
+            and len(pods) == 1
+            and pods[0].get("ready") is True
+            and pods[0].get("origin") == origin
+        )
+
+    return wait_status("rkis", NAME, ns, f"1 replica Ready, {origin}", ok, timeout)
+
+
+def completions(url: str) -> list[str]:
+    out = []
+    for p in PROMPTS:
+        r = http_json(
+            f"{url}/v1/completions",
+            {"model": NAME, "prompt": p, "max_tokens": 12, "temperature": 0.0},
+        )
+        out.append(r["choices"][0]["text"])
+    return out
+
+
+def scale(ns: str, n: int) -> None:
+    kubectl("scale", f"rkis/{NAME}", "-n", ns, f"--replicas={n}")
+
+
+def scale_zero_then_one(ns: str) -> None:
+    scale(ns, 0)
+    wait_until("no pods left", lambda: not pods_of(NAME, ns), 180)
+    scale(ns, 1)
+
+
+@pytest.fixture(scope="module")
+def served(operator: OperatorProcess, op_namespace: str, host_dir: Path) -> dict[str, Any]:
+    require_runtime_image()
+    r = apply(isvc_manifest(NAME, str(host_dir)), op_namespace)
+    assert r.returncode == 0, r.stderr
+    obj = ready_with(op_namespace, "booted")
+    return {"url": service_url(NAME, op_namespace), "isvc": obj}
+
+
+@pytest.fixture(scope="module")
+def before(served: dict[str, Any]) -> list[str]:
+    """Greedy completions of the first, normally booted replica: the oracle."""
+    return completions(served["url"])
+
+
+def test_pod_has_computed_dev_shm_and_vllm_shm_flags(
+    served: dict[str, Any], op_namespace: str
+) -> None:
+    spec = parse_spec(NAME, op_namespace, served["isvc"]["spec"])
+    need = shm_need(spec).total
+    (pod,) = pods_of(NAME, op_namespace)
+    name = pod["metadata"]["name"]
+    df = kubectl("exec", "-n", op_namespace, name, "--", "df", "-k", "/dev/shm").stdout
+    assert int(df.splitlines()[-1].split()[1]) * 1024 == need
+    assert served["isvc"]["status"]["sharedMemory"]["totalBytes"] == need
+    limit = pod["spec"]["containers"][0]["resources"]["limits"]["memory"]
+    assert to_bytes(limit) == to_bytes(spec.memory) + need
+    ps = kubectl("exec", "-n", op_namespace, name, "--", "ps", "-eo", "args").stdout
+    (cmdline,) = [line for line in ps.splitlines() if "vllm.entrypoints.openai.api_server" in line][
+        :1
+    ]
+    assert "--mm-processor-cache-type shm" in cmdline
+    assert "--mm-processor-cache-gb 0.5" in cmdline
+    assert "--mm-shm-cache-max-object-size-mb 64" in cmdline
+
+
+def test_chat_completion_through_the_service(served: dict[str, Any]) -> None:
+    r = http_json(
+        f"{served['url']}/v1/chat/completions",
+        {
+            "model": NAME,
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 8,
+            "temperature": 0.0,
+        },
+    )
+    assert r["choices"][0]["message"]["role"] == "assistant"
+    assert r["usage"]["completion_tokens"] > 0
+
+
+def test_checkpoint_ready_then_new_replica_restores_with_same_output(
+    served: dict[str, Any], before: list[str], op_namespace: str, kubectl_rekindle: dict[str, str]
+) -> None:
+    r = run_plugin(
+        kubectl_rekindle,
+        "-n",
+        op_namespace,
+        "checkpoint",
+        NAME,
+        "--checkpoint-name",
+        "first",
+        "--wait",
+        "--timeout",
+        "900",
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "Ready:" in r.stdout
+    ck = get("rkcp", "first", op_namespace)
+    assert ck is not None
+    st = ck["status"]
+    assert st["phase"] == "Ready" and st["sizeBytes"] > 0 and st["phaseSeconds"]
+    assert st["fingerprint"] == isvc(op_namespace)["status"]["fingerprint"]
+    assert (
+        Path(served["isvc"]["spec"]["coldStart"]["storage"]["hostPath"]["path"])
+        / st["path"].split("/checkpoints/", 1)[1]
+    ).is_dir()
+    wait_status(
+        "rkis",
+        NAME,
+        op_namespace,
+        "checkpoint in use",
+        lambda o: (o.get("status") or {}).get("checkpoint") == "first",
+        60,
+    )
+    # The checkpointed pod is back in the Service and still answers the same.
+    assert completions(served["url"]) == before
+
+    scale_zero_then_one(op_namespace)
+    obj = ready_with(op_namespace, "restored")
+    cond = {c["type"]: c for c in obj["status"]["conditions"]}["Restored"]
+    assert cond["status"] == "True", cond
+    assert "restored" in obj["status"]["lastColdStartSeconds"]
+    assert completions(served["url"]) == before
+
+    status = run_plugin(kubectl_rekindle, "-n", op_namespace, "status", NAME)
+    assert status.returncode == 0 and ": restored" in status.stdout, status.stdout
+
+
+def test_corrupted_checkpoint_boots_normally_and_says_why(
+    served: dict[str, Any], before: list[str], op_namespace: str, host_dir: Path
+) -> None:
+    ck = get("rkcp", "first", op_namespace)
+    assert ck is not None
+    rel = ck["status"]["path"].split("/checkpoints/", 1)[1]
+    images = sorted((host_dir / rel).rglob("pages-*.img"), key=lambda p: p.stat().st_size)
+    assert images, f"no CRIU pages image under {host_dir / rel}"
+    with images[-1].open("r+b") as f:  # flip bytes in the middle of the biggest image
+        f.seek(images[-1].stat().st_size // 2)
+        chunk = f.read(4096)
+        f.seek(-len(chunk), 1)
+        f.write(bytes(b ^ 0xFF for b in chunk))
+    scale_zero_then_one(op_namespace)
+    obj = ready_with(op_namespace, "booted")
+    pod = obj["status"]["pods"][0]
+    assert pod["reason"] and "no checkpoint" not in pod["reason"], pod
+    cond = {c["type"]: c for c in obj["status"]["conditions"]}["Restored"]
+    assert cond["status"] == "False" and pod["reason"][:40] in cond["message"]
+    events = kubectl_json(
+        "get", "events", "-n", op_namespace, "--field-selector", f"involvedObject.name={NAME}"
+    )["items"]
+    assert any(e["reason"] == "RestoredSomeBooted" for e in events)
+    assert completions(served["url"]) == before
+
+
+def test_operator_killed_mid_checkpoint_recovers(
+    served: dict[str, Any], op_namespace: str, operator: OperatorProcess
+) -> None:
+    ck = {
+        "apiVersion": "rekindle.dev/v1alpha1",
+        "kind": "Checkpoint",
+        "metadata": {"name": "second"},
+        "spec": {"inferenceService": NAME},
+    }
+    assert apply(ck, op_namespace).returncode == 0
+    wait_status(
+        "rkcp",
+        "second",
+        op_namespace,
+        "Running",
+        lambda o: (o.get("status") or {}).get("phase") == "Running",
+        120,
+    )
+    operator.kill(signal.SIGKILL)
+    time.sleep(2)
+    operator.start()
+    done = wait_status(
+        "rkcp",
+        "second",
+        op_namespace,
+        "Ready or Failed",
+        lambda o: (o.get("status") or {}).get("phase") in ("Ready", "Failed"),
+        900,
+    )
+    if done["status"]["phase"] == "Failed":
+        assert done["status"]["reason"] in ("OperatorRestarted", "AgentCheckpointFailed")
+        assert done["status"]["message"], done["status"]
+    wait_until(
+        "the pod back in the Service",
+        lambda: all(
+            p["metadata"]["labels"].get("rekindle.dev/serving") == "true"
+            for p in pods_of(NAME, op_namespace)
+        ),
+        120,
+    )
+    wait_status(
+        "rkis",
+        NAME,
+        op_namespace,
+        "Ready",
+        lambda o: (o.get("status") or {}).get("phase") == "Ready",
+        300,
+    )
+    assert completions(served["url"])
+
+
+def test_checkpoint_naming_missing_isvc_fails_at_once(
+    operator: OperatorProcess, op_namespace: str
+) -> None:
+    ck = {
+        "apiVersion": "rekindle.dev/v1alpha1",
+        "kind": "Checkpoint",
+        "metadata": {"name": "orphan"},
+        "spec": {"inferenceService": "nope"},
+    }
+    assert apply(ck, op_namespace).returncode == 0
+    obj = wait_status(
+        "rkcp",
+        "orphan",
+        op_namespace,
+        "Failed",
+        lambda o: (o.get("status") or {}).get("phase") == "Failed",
+        60,
+    )
+    assert obj["status"]["reason"] == "InferenceServiceNotFound"
+    assert "'nope' does not exist" in obj["status"]["message"]
+
+
+def test_shm_below_full_need_refused_by_operator(
+    operator: OperatorProcess, op_namespace: str
+) -> None:
+    # 600Mi passes the CEL rule (>= the 512Mi multimodal cache) but not the full formula.
+    doc = isvc_manifest("undersized", "/var/lib/rekindle/unused", sharedMemory={"size": "600Mi"})
+    assert apply(doc, op_namespace).returncode == 0
+    need = shm_need(parse_spec("undersized", op_namespace, doc["spec"])).total
+    obj = wait_status(
+        "rkis",
+        "undersized",
+        op_namespace,
+        "Failed",
+        lambda o: (o.get("status") or {}).get("phase") == "Failed",
+        60,
+    )
+    cond = {c["type"]: c for c in obj["status"]["conditions"]}["SharedMemorySized"]
+    assert cond["status"] == "False" and f"{need // 2**20}Mi" in cond["message"]
+    events = kubectl_json(
+        "get", "events", "-n", op_namespace, "--field-selector", "involvedObject.name=undersized"
+    )["items"]
+    assert any(e["reason"] == "SharedMemorySizedBelowNeed" for e in events)
+    assert kubectl("get", "deploy", "undersized", "-n", op_namespace, check=False).returncode != 0
+    kubectl("delete", "rkis", "undersized", "-n", op_namespace)
+
+
+def test_delete_cleans_up_owned_objects_and_checkpoint_data(
+    served: dict[str, Any], op_namespace: str, host_dir: Path
+) -> None:
+    ck = get("rkcp", "first", op_namespace)
+    assert ck is not None
+    data = host_dir / ck["status"]["path"].split("/checkpoints/", 1)[1]
+    assert data.is_dir()
+    kubectl("delete", "rkis", NAME, "-n", op_namespace, "--wait=false")
+    for kind, name in (
+        ("deploy", NAME),
+        ("svc", NAME),
+        ("secret", f"{NAME}-agent-token"),
+        ("configmap", f"{NAME}-rekindle"),
+        ("rkcp", "first"),
+    ):
+        wait_until(
+            f"{kind}/{name} deleted", lambda k=kind, n=name: get(k, n, op_namespace) is None, 180
+        )
+    wait_until(f"{data} removed (deletionPolicy Delete)", lambda: not data.exists(), 180)

@@ -29,7 +29,7 @@ from rekindle_operator.fingerprint import spec_fingerprint
 from rekindle_operator.kube import Kube
 from rekindle_operator.quantity import human_bytes
 from rekindle_operator.reconcile import Emit, agent_url, read_token, spec_of, update_pointer
-from rekindle_operator.selection import pick_pod
+from rekindle_operator.selection import ready_pods
 from rekindle_operator.status import now_iso, parse_time
 
 Body = Mapping[str, Any]
@@ -85,21 +85,53 @@ def _adopt(kube: Kube, body: Body, isvc: Body) -> None:
     )
 
 
-def _result_status(manifest: Mapping[str, Any], started: str) -> dict[str, Any]:
-    summary = ac.manifest_summary(manifest)
+def _result_status(manifest: Mapping[str, Any], started: str, how: str) -> dict[str, Any]:
+    """Ready: the agent answers success only after it restored the new checkpoint once."""
+    summary = {**ac.manifest_summary(manifest), "verified": True}
     total = (parse_time(now_iso()) - parse_time(started)).total_seconds()
-    return {
+    out = {
         "phase": CKPT_READY,
-        "reason": "Verified" if summary["verified"] else "Written",
-        "message": "checkpoint written and restored once by the agent"
-        if summary["verified"]
-        else "checkpoint written (the agent did not report a verification restore)",
-        "size": human_bytes(summary["sizeBytes"]),
+        "reason": "Verified",
+        "message": f"checkpoint written and restored once by the agent{how}",
         "totalSeconds": total,
         "completedAt": now_iso(),
         "stale": False,
         **summary,
     }
+    if summary["files"]:
+        out["size"] = human_bytes(summary["sizeBytes"])
+    else:  # recovered from the agent's status: no file list, so no size
+        out.pop("sizeBytes")
+        out.pop("files")
+    return out
+
+
+def _checkpointable(
+    candidates: list[Body], token: str, client_for: ClientFactory
+) -> tuple[Body | None, list[str]]:
+    """The first candidate whose agent can checkpoint now, and why others cannot.
+
+    A vLLM restored with the mmap restore still maps its checkpoint's image
+    files, so its agent refuses a new dump (it would reference the old image).
+    """
+    skipped = []
+    for pod in candidates:
+        name = pod["metadata"]["name"]
+        try:
+            reply = client_for(agent_url(pod), token).status()
+        except Exception as e:
+            skipped.append(f"pod {name}: agent not answering ({e})")
+            continue
+        if reply.raw.get("restored_with_mmap"):
+            skipped.append(
+                f"pod {name} was restored with the mmap restore and still maps its checkpoint: "
+                "checkpoint a pod that booted or was restored by copy"
+            )
+        elif reply.state != "Ready":
+            skipped.append(f"pod {name}: agent is {reply.state}, not Ready")
+        else:
+            return pod, skipped
+    return None, skipped
 
 
 def run_checkpoint(
@@ -131,9 +163,12 @@ def run_checkpoint(
         return recover(kube, body, emit, client_for, poll_s)
 
     isvc_spec = spec_of(isvc)
-    pods = kube.list("Pod", ns, b.selector_string(isvc_name))
-    pod = pick_pod(pods, spec.get("pod"))
+    candidates = ready_pods(kube.list("Pod", ns, b.selector_string(isvc_name)), spec.get("pod"))
     timeout = int(spec.get("timeoutSeconds") or DEFAULT_TIMEOUT_S)
+    token = read_token(kube, ns, isvc_name) if candidates else ""
+    pod, skipped = _checkpointable(candidates, token, client_for)
+    if pod is None and skipped:
+        return _fail(kube, body, emit, "NoCheckpointablePod", "; ".join(skipped))
     if pod is None:
         age = (parse_time(now_iso()) - parse_time(meta["creationTimestamp"])).total_seconds()
         if age > timeout:
@@ -166,8 +201,7 @@ def run_checkpoint(
     emit("Normal", "CheckpointStarted", f"checkpointing pod {pod_name} into {path}")
     set_serving(kube, ns, pod_name, False)
     try:
-        client = client_for(agent_url(pod), read_token(kube, ns, isvc_name))
-        manifest = client.checkpoint(path, timeout=timeout)
+        manifest = client_for(agent_url(pod), token).checkpoint(path, timeout=timeout)
     except Exception as e:
         return _fail(
             kube,
@@ -178,7 +212,7 @@ def run_checkpoint(
         )
     finally:
         set_serving(kube, ns, pod_name, True)
-    result = _result_status(manifest, started)
+    result = _result_status(manifest, started, "")
     _set_status(kube, body, result)
     emit(
         "Normal",
@@ -215,10 +249,16 @@ def recover(
         last = reply.raw.get("last_checkpoint") or {}
     finally:
         set_serving(kube, ns, pod_name, True)
-    if last.get("dir") == path and last.get("ok") and last.get("manifest"):
-        result = _result_status(last["manifest"], status.get("startedAt") or now_iso())
+    if last.get("dir") == path and last.get("ok"):
+        result = _result_status(
+            {"timings": last.get("timings") or {}},
+            status.get("startedAt") or now_iso(),
+            " (recorded after an operator restart, from the agent's status)",
+        )
         _set_status(kube, body, result)
-        emit("Normal", "CheckpointReady", f"recovered after an operator restart: {result['size']}")
+        emit(
+            "Normal", "CheckpointReady", f"pod {pod_name} finished it while the operator restarted"
+        )
         isvc = kube.get(ISVC_KIND, ns, isvc_name)
         if isvc is not None:
             update_pointer(kube, isvc, spec_of(isvc), kube.list("Checkpoint", ns))

@@ -65,6 +65,12 @@ def stale_changes(checkpoints: Iterable[Body], isvc: str, fingerprint: str) -> d
 
 def pick_pod(pods: Iterable[Body], wanted: str | None = None) -> Body | None:
     """A running, ready, not-terminating pod to checkpoint (the named one if given)."""
+    candidates = ready_pods(pods, wanted)
+    return candidates[0] if candidates else None
+
+
+def ready_pods(pods: Iterable[Body], wanted: str | None = None) -> list[Body]:
+    """Checkpoint candidates, best first: ready, with an IP, not terminating."""
     candidates = []
     for p in pods:
         meta = p.get("metadata") or {}
@@ -76,7 +82,7 @@ def pick_pod(pods: Iterable[Body], wanted: str | None = None) -> Body | None:
     candidates.sort(
         key=lambda p: (p["metadata"].get("creationTimestamp", ""), p["metadata"]["name"])
     )
-    return candidates[0] if candidates else None
+    return candidates
 
 
 def pod_ready(p: Body) -> bool:

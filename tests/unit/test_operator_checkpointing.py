@@ -105,7 +105,7 @@ class FakeAgent:
     ) -> None:
         self.manifest = manifest
         self.error = error
-        self.statuses = statuses or []
+        self.statuses = statuses or [FakeStatus("Ready", {"restored_with_mmap": False})]
         self.checkpoints: list[str] = []
         self.seen_labels: list[str | None] = []
         self.kube: FakeKube | None = None
@@ -224,6 +224,18 @@ def test_agent_failure_fails_checkpoint_and_pod_serves() -> None:
     assert kube.get("ConfigMap", NS, "tiny-rekindle") is None
 
 
+def test_mmap_restored_pod_is_not_checkpointed() -> None:
+    kube, events = world()
+    agent = FakeAgent(
+        manifest=MANIFEST, statuses=[FakeStatus("Ready", {"restored_with_mmap": True})]
+    )
+    cp.run_checkpoint(kube, new_ckpt(kube), lambda *e: events.append(e), client_for=agent)
+    st = kube.get("Checkpoint", NS, "c1")["status"]  # type: ignore[index]
+    assert st["phase"] == "Failed" and st["reason"] == "NoCheckpointablePod"
+    assert "mmap restore" in st["message"]
+    assert agent.checkpoints == []
+
+
 def test_missing_inference_service_fails_at_once() -> None:
     kube, events = world()
     cp.run_checkpoint(
@@ -279,11 +291,12 @@ def test_operator_restart_mid_checkpoint_fails_cleanly() -> None:
 def test_operator_restart_mid_checkpoint_finishes_when_agent_reports_it() -> None:
     kube, events = world()
     body = running(kube)
-    last = {"dir": body["status"]["path"], "ok": True, "manifest": MANIFEST}
+    last = {"dir": body["status"]["path"], "ok": True, "timings": {"dump": 1.5}}
     agent = FakeAgent(statuses=[FakeStatus("Ready", {"last_checkpoint": last})])
     cp.run_checkpoint(kube, body, lambda *e: events.append(e), client_for=agent, poll_s=0)
     st = kube.get("Checkpoint", NS, "c1")["status"]  # type: ignore[index]
     assert st["phase"] == "Ready" and st["verified"] is True
+    assert st["phaseSeconds"] == {"dump": 1.5}
 
 
 def test_restart_with_pod_gone() -> None:

@@ -38,9 +38,9 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # Progress and diff-base in annotations under our own prefix: the CRDs'
     # status schemas stay strict (no status.kopf) and nothing collides with
     # another kopf operator in the cluster.
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=f"kopf.{GROUP}")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=GROUP, key="last-handled-configuration"
+        prefix=f"kopf.{GROUP}", key="last-handled-configuration"
     )
     settings.persistence.finalizer = f"{GROUP}/finalizer"
     settings.posting.level = logging.WARNING

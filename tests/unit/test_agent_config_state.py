@@ -5,7 +5,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from rekindle_agent import api, config, state
 from rekindle_agent.agent import normalize_checkpoint, token_ok
 

@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from rekindle_agent import io_uring
 
 RING = (
@@ -24,7 +23,9 @@ def test_fake_proc(tmp_path: Path) -> None:
     fd_dir.mkdir(parents=True)
     os.symlink("anon_inode:[io_uring]", fd_dir / "7")
     os.symlink("/dev/null", fd_dir / "0")
-    (tmp_path / "42" / "maps").write_text("7f00-7f10 rw-s 00000000 00:0e 1  anon_inode:[io_uring]\n")
+    (tmp_path / "42" / "maps").write_text(
+        "7f00-7f10 rw-s 00000000 00:0e 1  anon_inode:[io_uring]\n"
+    )
     (tmp_path / "43" / "fd").mkdir(parents=True)
     (tmp_path / "43" / "maps").write_text("")
     found = io_uring.find([42, 43], proc=tmp_path)

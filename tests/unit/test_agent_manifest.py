@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from rekindle_agent import api, manifest, prefetch
 
 
@@ -22,8 +21,13 @@ def _ckpt(tmp_path: Path) -> tuple[Path, list[api.FileEntry]]:
 
 
 def _doc(files: list[api.FileEntry]) -> dict[str, Any]:
-    return {"format": api.MANIFEST_FORMAT, "fingerprint": {}, "criu": {},
-            "vllm": {"root_pid": 123}, "files": files}
+    return {
+        "format": api.MANIFEST_FORMAT,
+        "fingerprint": {},
+        "criu": {},
+        "vllm": {"root_pid": 123},
+        "files": files,
+    }
 
 
 def test_checksums_match_hashlib(tmp_path: Path) -> None:

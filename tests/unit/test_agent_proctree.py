@@ -18,7 +18,10 @@ def test_descendants_order_and_missing_root() -> None:
 
 
 def test_real_tree_and_kill() -> None:
-    code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"
+    code = (
+        "import subprocess, sys, time; "
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"
+    )
     p = subprocess.Popen([sys.executable, "-c", code])
     try:
         for _ in range(100):

@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-
 from rekindle_agent import seccomp
 
 PROBE = (
@@ -59,12 +58,16 @@ def test_wrapper_makes_io_uring_setup_fail_with_enosys() -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     out = subprocess.run(
         seccomp.wrap([sys.executable, "-c", PROBE]),
-        capture_output=True, text=True, env=env, check=True,
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
     ).stdout.split()
     assert out == ["-1", str(errno.ENOSYS)]
     # Without the filter the kernel answers differently (a ring fd, or EPERM if disabled).
-    plain = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
-                           check=True).stdout.split()
+    plain = subprocess.run(
+        [sys.executable, "-c", PROBE], capture_output=True, text=True, check=True
+    ).stdout.split()
     assert plain != ["-1", str(errno.ENOSYS)]
     if int(plain[0]) >= 0:
         assert ctypes.sizeof(ctypes.c_int) == 4  # a real ring was created without the filter

@@ -6,23 +6,28 @@ import json
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
 
 import pytest
-
 from rekindle_agent.vllm_control import VllmCallError, VllmControl, missing_method
 
 
 class _Fake(BaseHTTPRequestHandler):
-    seen: list[tuple[str, object]] = []
-    unknown: set[str] = set()
+    seen: ClassVar[list[tuple[str, object]]] = []
+    unknown: ClassVar[set[str]] = set()
 
     def do_POST(self) -> None:
         n = int(self.headers.get("Content-Length") or 0)
         body = json.loads(self.rfile.read(n)) if n else None
         _Fake.seen.append((self.path, body))
         if self.path == "/collective_rpc" and body["method"] in _Fake.unknown:
-            self._reply(500, {"error": f"AttributeError: 'CPUWorker' object has no attribute "
-                                       f"'{body['method']}'"})
+            self._reply(
+                500,
+                {
+                    "error": f"AttributeError: 'CPUWorker' object has no attribute "
+                    f"'{body['method']}'"
+                },
+            )
         elif self.path == "/v1/completions":
             self._reply(200, {"choices": [{"text": " the"}]})
         else:
@@ -76,8 +81,12 @@ def test_gpu_sequence_is_vllms_documented_level2_wake(fake: str) -> None:
         ("/wake_up?tags=kv_cache", None),
     ]
     assert c.complete_one("tiny") == " the"
-    assert _Fake.seen[-1][1] == {"model": "tiny", "prompt": "Hello", "max_tokens": 1,
-                                 "temperature": 0.0}
+    assert _Fake.seen[-1][1] == {
+        "model": "tiny",
+        "prompt": "Hello",
+        "max_tokens": 1,
+        "temperature": 0.0,
+    }
 
 
 def test_missing_rpc_is_recognised(fake: str) -> None:

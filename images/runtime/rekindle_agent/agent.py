@@ -286,23 +286,29 @@ class Agent:
         if not restored:
             self.metrics.checkpoints.labels("failed").inc()
             reason = self.status.last_fallback or {}
-            self.status.last_checkpoint = {"dir": str(ckpt), "ok": False,
-                                           "error": f"verification restore failed: {reason}"}
+            self.status.last_checkpoint = {
+                "dir": str(ckpt),
+                "ok": False,
+                "error": f"verification restore failed: {reason}",
+            }
             raise checkpoint.CheckpointError(
                 f"dumped, but restoring it failed ({reason.get('reason')}): "
                 f"{reason.get('message')}; vLLM was booted again"
             )
         manifest.mark_verified(ckpt, man, {"restore_seconds": self.status.timings["restore"]})
         self.metrics.checkpoints.labels("ok").inc()
-        self.status.last_checkpoint = {"dir": str(ckpt), "ok": True,
-                                       "timings": man["timings"]}
+        self.status.last_checkpoint = {"dir": str(ckpt), "ok": True, "timings": man["timings"]}
         return man
 
     def watch(self) -> None:
         """A vLLM that dies while Ready makes the agent Failed (liveness fails, pod restarts)."""
         while not self.stopping:
             time.sleep(1.0)
-            if self.status.state == "Ready" and not self.flow_lock.locked() and not self.vllm_alive():
+            if (
+                self.status.state == "Ready"
+                and not self.flow_lock.locked()
+                and not self.vllm_alive()
+            ):
                 self.set_state("Failed", f"vLLM exited unexpectedly; see {self.vllm_log}")
 
     def shutdown(self) -> None:
@@ -313,7 +319,8 @@ class Agent:
 
 def setup_logging() -> None:
     logging.basicConfig(
-        level=logging.INFO, stream=sys.stderr,
+        level=logging.INFO,
+        stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
 

@@ -87,8 +87,15 @@ def save_extra(ckpt: Path, paths: list[str], exact: bool) -> list[dict[str, Any]
         rel = f"{api.FILES_SUBDIR}/{i:03d}-{os.path.basename(src)}"
         shutil.copyfile(src, ckpt / rel)
         st = os.stat(src)
-        out.append({"path": src, "saved": rel, "size": st.st_size,
-                    "mode": st.st_mode & 0o7777, "exact": exact})
+        out.append(
+            {
+                "path": src,
+                "saved": rel,
+                "size": st.st_size,
+                "mode": st.st_mode & 0o7777,
+                "exact": exact,
+            }
+        )
     return out
 
 
@@ -156,8 +163,9 @@ def checkpoint(agent: Agent, ckpt: Path) -> api.Manifest:
     shm_remaps = {os.path.basename(p) for p in remaps if os.path.dirname(p) == shm.SHM}
     shm_records = shm.save(shm_names | shm_remaps, ckpt / api.SHM_SUBDIR)
     extra = save_extra(ckpt, [agent.vllm_log], exact=False)
-    extra += save_extra(ckpt, sorted(p for p in remaps if os.path.dirname(p) != shm.SHM),
-                        exact=True)
+    extra += save_extra(
+        ckpt, sorted(p for p in remaps if os.path.dirname(p) != shm.SHM), exact=True
+    )
     t = _mark(phases, "save_files", t)
 
     rel = manifest.list_files(ckpt)
@@ -184,8 +192,11 @@ def checkpoint(agent: Agent, ckpt: Path) -> api.Manifest:
         "weights": weights,
         "shm_files": shm_records,
         "extra_files": extra,
-        "criu": {"binary": info.binary, "version": info.version,
-                 "dump_flags": list(criu.COMMON_FLAGS)},
+        "criu": {
+            "binary": info.binary,
+            "version": info.version,
+            "dump_flags": list(criu.COMMON_FLAGS),
+        },
         "files": entries,
         "timings": phases,
     }

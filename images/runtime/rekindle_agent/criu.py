@@ -75,8 +75,19 @@ def restore_argv(
     inherit_fds: list[str] | None = None,
 ) -> list[str]:
     """Detached (-d): CRIU exits once the tree runs; the root is re-parented to the agent."""
-    argv = [binary, "restore", "-d", "-D", images, "-o", log_file, "-v4", "--pidfile", pidfile,
-            *COMMON_FLAGS]
+    argv = [
+        binary,
+        "restore",
+        "-d",
+        "-D",
+        images,
+        "-o",
+        log_file,
+        "-v4",
+        "--pidfile",
+        pidfile,
+        *COMMON_FLAGS,
+    ]
     if mmap:
         argv.append(MMAP_RESTORE_FLAG)
     if plugins:

@@ -74,7 +74,10 @@ def gpu_identity() -> tuple[str | None, str | None]:
     try:
         out = subprocess.run(
             [smi, "--query-gpu=name,driver_version", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=20, check=True,
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return None, None

@@ -42,7 +42,9 @@ def sha256_file(path: Path | str, chunk: int = READ_CHUNK) -> str:
     return h.hexdigest()
 
 
-def list_files(root: Path, exclude: tuple[str, ...] = (api.MANIFEST_NAME, api.VERIFIED_NAME)) -> list[str]:
+def list_files(
+    root: Path, exclude: tuple[str, ...] = (api.MANIFEST_NAME, api.VERIFIED_NAME)
+) -> list[str]:
     """Every regular file below root, relative, sorted; the manifest itself excluded."""
     out = []
     for dirpath, _dirs, files in os.walk(root):

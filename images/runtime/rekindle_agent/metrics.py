@@ -14,33 +14,47 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.boot_seconds = Histogram(
-            "rekindle_boot_seconds", "Normal vLLM boot, start to ready", buckets=BUCKETS,
+            "rekindle_boot_seconds",
+            "Normal vLLM boot, start to ready",
+            buckets=BUCKETS,
             registry=r,
         )
         self.restore_phase_seconds = Histogram(
-            "rekindle_restore_phase_seconds", "Restore phases (total = start to ready)",
-            ["phase"], buckets=BUCKETS, registry=r,
+            "rekindle_restore_phase_seconds",
+            "Restore phases (total = start to ready)",
+            ["phase"],
+            buckets=BUCKETS,
+            registry=r,
         )
         self.checkpoint_phase_seconds = Histogram(
-            "rekindle_checkpoint_phase_seconds", "Checkpoint phases", ["phase"],
-            buckets=BUCKETS, registry=r,
+            "rekindle_checkpoint_phase_seconds",
+            "Checkpoint phases",
+            ["phase"],
+            buckets=BUCKETS,
+            registry=r,
         )
         self.fallbacks = Counter(
-            "rekindle_fallbacks_total", "Restores that fell back to a normal boot", ["reason"],
+            "rekindle_fallbacks_total",
+            "Restores that fell back to a normal boot",
+            ["reason"],
             registry=r,
         )
         self.checkpoints = Counter(
             "rekindle_checkpoints_total", "Checkpoint attempts by result", ["result"], registry=r
         )
-        self.state = Gauge("rekindle_state", "1 for the agent's current state", ["state"],
-                           registry=r)
-        self.inflight = Gauge("rekindle_inflight_requests", "Proxied requests in flight",
-                              registry=r)
+        self.state = Gauge(
+            "rekindle_state", "1 for the agent's current state", ["state"], registry=r
+        )
+        self.inflight = Gauge(
+            "rekindle_inflight_requests", "Proxied requests in flight", registry=r
+        )
         self.refused = Counter(
             "rekindle_refused_requests_total", "Requests refused with 503 (not ready)", registry=r
         )
         self.ready_seconds = Gauge(
-            "rekindle_time_to_ready_seconds", "Agent start to ready, by path", ["path"],
+            "rekindle_time_to_ready_seconds",
+            "Agent start to ready, by path",
+            ["path"],
             registry=r,
         )
         for reason in api.FALLBACK_REASONS:

@@ -110,13 +110,13 @@ def generate_tiny_model(out_dir: Path, spec: TinyModelSpec | None = None) -> Pat
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
-        torch_dtype="bfloat16",
+        dtype="bfloat16",
     )
     torch.manual_seed(spec.seed)
     # A wider init than HF's default (0.02) makes greedy outputs vary with the
     # prompt, so the before/after comparison is a meaningful oracle.
     config.initializer_range = 0.2
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model = LlamaForCausalLM(config).bfloat16()
     model.save_pretrained(out_dir, safe_serialization=True)
     stamp.write_text(json.dumps(asdict(spec), sort_keys=True))
     return out_dir

@@ -71,8 +71,12 @@ class Prefetcher:
         # Largest first: the long pole starts earliest.
         order = sorted(files, key=lambda f: -int(f["size"]))
         self._futures: list[tuple[str, Future[tuple[int, str | None]]]] = [
-            (f["path"], self._pool.submit(
-                _read_file, root / f["path"], f["sha256"] if verify else None, chunk))
+            (
+                f["path"],
+                self._pool.submit(
+                    _read_file, root / f["path"], f["sha256"] if verify else None, chunk
+                ),
+            )
             for f in order
         ]
         self._last_done = self._t0

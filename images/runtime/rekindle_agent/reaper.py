@@ -117,8 +117,9 @@ class Reaper:
         """Run to completion; stdout+stderr go to log_path (or are captured) and are returned."""
         path = log_path or f"/tmp/.rekindle-run-{os.getpid()}-{threading.get_ident()}.log"
         with open(path, "wb") as out:
-            pid = self.spawn(argv, env=env, stdout=out.fileno(), stderr=subprocess.STDOUT,
-                             pass_fds=pass_fds)
+            pid = self.spawn(
+                argv, env=env, stdout=out.fileno(), stderr=subprocess.STDOUT, pass_fds=pass_fds
+            )
         try:
             code = self.wait(pid, timeout)
         except TimeoutError:

@@ -123,11 +123,15 @@ def restore(agent: Agent, ckpt: Path, *, require_verified: bool, mmap: bool) -> 
         pidfile = os.path.join(vllm["run_dir"], "restore.pid")
         with contextlib.suppress(FileNotFoundError):
             os.unlink(pidfile)
-        log = str(ckpt / "restore.log") if os.access(ckpt, os.W_OK) else os.path.join(
-            vllm["run_dir"], "restore.log")
+        # Never into the checkpoint: it is shared by every pod restoring from it.
+        log = os.path.join(vllm["run_dir"], "restore.log")
         argv = criu.restore_argv(
-            agent.criu_info().binary, str(ckpt / api.IMAGES_SUBDIR), log, pidfile,
-            mmap=mmap, plugins=cfg.criu_plugins,
+            agent.criu_info().binary,
+            str(ckpt / api.IMAGES_SUBDIR),
+            log,
+            pidfile,
+            mmap=mmap,
+            plugins=cfg.criu_plugins,
         )
         res = agent.reaper.run(argv, timeout=cfg.restore_timeout)
         if res.returncode != 0:
@@ -135,8 +139,9 @@ def restore(agent: Agent, ckpt: Path, *, require_verified: bool, mmap: bool) -> 
             with contextlib.suppress(OSError):
                 tail = criu.log_tail(Path(log).read_text(errors="replace"))
             raise RestoreError(
-                "criu_restore_failed", f"criu restore exited {res.returncode}: {res.output[-500:]}"
-                f"{tail}")
+                "criu_restore_failed",
+                f"criu restore exited {res.returncode}: {res.output[-500:]}{tail}",
+            )
         restored_root = int(Path(pidfile).read_text().strip())
         agent.adopt(restored_root)
         t = mark("criu_restore", t)

@@ -24,8 +24,16 @@ from rekindle_agent.config import AgentConfig
 log = logging.getLogger("rekindle.server")
 RETRY_AFTER_S = "2"
 HOP_HEADERS = {
-    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
-    "trailers", "transfer-encoding", "upgrade", "host", "content-length",
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailers",
+    "transfer-encoding",
+    "upgrade",
+    "host",
+    "content-length",
 }
 UNAUTHENTICATED = {api.PATH_HEALTHZ, api.PATH_READYZ}
 AGENT_KEY = web.AppKey("agent", Agent)
@@ -118,7 +126,8 @@ async def auth_middleware(request: web.Request, handler: Any) -> web.StreamRespo
         agent.token, request.headers.get("Authorization")
     ):
         return web.json_response(
-            {"error": "missing or wrong bearer token"}, status=401,
+            {"error": "missing or wrong bearer token"},
+            status=401,
             headers={"WWW-Authenticate": "Bearer"},
         )
     resp: web.StreamResponse = await handler(request)
@@ -158,14 +167,17 @@ async def post_checkpoint(request: web.Request) -> web.Response:
         return web.json_response({"error": f"bad request: {e}"}, status=400)
     if agent.status.restored_with_mmap:
         return web.json_response(
-            {"error": "this vLLM was restored with the mmap restore and still maps "
-             f"{agent.status.checkpoint}: a new dump would reference that image. "
-             "Checkpoint a pod whose status has restored_with_mmap=false"},
+            {
+                "error": "this vLLM was restored with the mmap restore and still maps "
+                f"{agent.status.checkpoint}: a new dump would reference that image. "
+                "Checkpoint a pod whose status has restored_with_mmap=false"
+            },
             status=409,
         )
     if agent.status.state != "Ready" or not agent.flow_lock.acquire(blocking=False):
         return web.json_response(
-            {"error": f"agent is {agent.status.state}; checkpoint only from Ready"}, status=409,
+            {"error": f"agent is {agent.status.state}; checkpoint only from Ready"},
+            status=409,
             headers={"Retry-After": RETRY_AFTER_S},
         )
     try:
@@ -175,18 +187,22 @@ async def post_checkpoint(request: web.Request) -> web.Response:
         except TimeoutError:
             agent.set_state("Ready", "drain timed out; checkpoint cancelled")
             return web.json_response(
-                {"error": f"{proxy.inflight} requests still running after "
-                 f"{agent.cfg.drain_timeout:g}s; checkpoint cancelled, retry later "
-                 "or raise --drain-timeout"},
-                status=503, headers={"Retry-After": RETRY_AFTER_S},
+                {
+                    "error": f"{proxy.inflight} requests still running after "
+                    f"{agent.cfg.drain_timeout:g}s; checkpoint cancelled, retry later "
+                    "or raise --drain-timeout"
+                },
+                status=503,
+                headers={"Retry-After": RETRY_AFTER_S},
             )
         await proxy.close_connections()
         agent.set_state("Checkpointing", f"dumping to {target}")
         try:
             man = await asyncio.to_thread(agent.run_checkpoint, target)
         except checkpoint.CheckpointError as e:
-            return web.json_response({"error": str(e), "status": agent.status.to_json()},
-                                     status=500)
+            return web.json_response(
+                {"error": str(e), "status": agent.status.to_json()}, status=500
+            )
         return web.json_response(man)
     finally:
         agent.flow_lock.release()
@@ -216,14 +232,22 @@ async def serve(cfg: AgentConfig) -> None:
     agent = Agent(cfg, read_token(cfg.token_file))
     proxy = Proxy(agent)
     runners = []
-    for app, port in ((admin_app(agent, proxy), cfg.admin_port),
-                      (proxy_app(agent, proxy), cfg.serve_port)):
+    for app, port in (
+        (admin_app(agent, proxy), cfg.admin_port),
+        (proxy_app(agent, proxy), cfg.serve_port),
+    ):
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         await web.TCPSite(runner, cfg.bind_host, port).start()
         runners.append(runner)
-    log.info("agent: admin on %s:%d, OpenAI proxy on %s:%d, vLLM on 127.0.0.1:%d",
-             cfg.bind_host, cfg.admin_port, cfg.bind_host, cfg.serve_port, cfg.vllm_port)
+    log.info(
+        "agent: admin on %s:%d, OpenAI proxy on %s:%d, vLLM on 127.0.0.1:%d",
+        cfg.bind_host,
+        cfg.admin_port,
+        cfg.bind_host,
+        cfg.serve_port,
+        cfg.vllm_port,
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -88,8 +88,13 @@ def save(names: set[str], dest: Path, shm_dir: str = SHM) -> list[dict[str, obje
             continue
         copy_sparse(src, str(dest / name), mode=0o600)
         records.append(
-            {"name": name, "size": st.st_size, "mode": stat.S_IMODE(st.st_mode),
-             "uid": st.st_uid, "gid": st.st_gid}
+            {
+                "name": name,
+                "size": st.st_size,
+                "mode": stat.S_IMODE(st.st_mode),
+                "uid": st.st_uid,
+                "gid": st.st_gid,
+            }
         )
     return records
 

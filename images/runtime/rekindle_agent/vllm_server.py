@@ -94,9 +94,7 @@ def base_url(cfg: VllmConfig) -> str:
     return f"http://{cfg.host}:{cfg.port}"
 
 
-def http_json(
-    method: str, url: str, body: object | None = None, timeout: float = 30.0
-) -> object:
+def http_json(method: str, url: str, body: object | None = None, timeout: float = 30.0) -> object:
     """A small JSON HTTP call with the stdlib (the agent must not depend on requests)."""
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method=method)

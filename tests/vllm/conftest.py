@@ -1,0 +1,63 @@
+"""Real-vLLM fixtures: the agent as a subprocess, in a fresh PID + mount namespace like a pod.
+
+The launching itself is rekindle_agent.harness (shared with `rekindle bench local`).
+Agents run under `unshare --pid --fork --mount-proc --mount` with their own
+tmpfs on /dev/shm, so a restore sees an empty /dev/shm and free PIDs exactly
+as in a new pod, and the host's /dev/shm is never touched. Killing the
+namespace's PID 1 (the agent) kills everything in it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rekindle_agent.harness import AgentFactory, AgentProc
+
+__all__ = ["PROMPTS", "AgentFactory", "AgentProc", "edit_manifest", "shadow_checkpoint"]
+
+PROMPTS = [
+    "The river",
+    "Checkpoint and restore",
+    "A winter garden in the city",
+    "Tokens flow through the kernel",
+]
+
+
+@pytest.fixture(scope="session")
+def agent_factory(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, criu_prefix: Path
+) -> Iterator[AgentFactory]:
+    if os.geteuid() != 0:
+        pytest.fail("the agent's vLLM tests need root (CRIU, namespaces, mounts)")
+    f = AgentFactory(tmp_path_factory.mktemp("agent"), tiny_model, criu_prefix / "patched" / "criu")
+    yield f
+    f.stop_all()
+
+
+def shadow_checkpoint(src: Path, dst: Path) -> Path:
+    """A copy of a checkpoint made of symlinks (cheap), with real copies of the small files.
+
+    Tests then damage the copy, never the shared original.
+    """
+    for dirpath, _dirs, files in os.walk(src):
+        rel = Path(dirpath).relative_to(src)
+        (dst / rel).mkdir(mode=0o700, parents=True, exist_ok=True)
+        for name in files:
+            s, d = Path(dirpath) / name, dst / rel / name
+            if name in ("manifest.json", "verified"):
+                d.write_bytes(s.read_bytes())
+            else:
+                os.symlink(s, d)
+    return dst
+
+
+def edit_manifest(ckpt: Path, change: Any) -> None:
+    path = ckpt / "manifest.json"
+    doc = json.loads(path.read_text())
+    change(doc)
+    path.write_text(json.dumps(doc))

@@ -1,0 +1,207 @@
+"""The agent against a real vLLM CPU server and real CRIU, each agent in a fresh PID+mount ns.
+
+One boot makes the checkpoint (under load), shared by the module; restores
+then run in new namespaces with an empty /dev/shm, like new pods.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.vllm.conftest import (
+    PROMPTS,
+    AgentFactory,
+    AgentProc,
+    edit_manifest,
+    shadow_checkpoint,
+)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.criu]
+
+
+def completions(agent: AgentProc) -> list[str]:
+    return [agent.complete(p) for p in PROMPTS]
+
+
+class Shared:
+    ckpt: Path
+    manifest: dict[str, Any]
+    before: list[str]
+    after_verify: list[str]
+    outcomes: list[tuple[str, Any]]
+    refused_headers: list[str]
+
+
+def _load(agent: AgentProc, stop: threading.Event, outcomes: list[tuple[str, Any]], i: int) -> None:
+    """Keep sending requests until told to stop; record each outcome."""
+    n = 0
+    while not stop.is_set():
+        n += 1
+        try:
+            text = agent.complete(f"The river {i} {n}", max_tokens=24, stream=(n % 2 == 0))
+            outcomes.append(("ok", text))
+        except urllib.error.HTTPError as e:
+            outcomes.append((f"http {e.code}", e.headers.get("Retry-After")))
+            time.sleep(0.2)
+        except Exception as e:
+            outcomes.append(("error", repr(e)))
+
+
+@pytest.fixture(scope="module")
+def shared(agent_factory: AgentFactory) -> Iterator[Shared]:
+    s = Shared()
+    agent = agent_factory.start(name="boot")
+    try:
+        st = agent.wait_ready(600)
+        assert st.origin == "booted"
+        s.before = completions(agent)
+        stop = threading.Event()
+        s.outcomes = []
+        workers = [
+            threading.Thread(target=_load, args=(agent, stop, s.outcomes, i)) for i in range(3)
+        ]
+        for w in workers:
+            w.start()
+        time.sleep(1.5)  # requests are in flight when the checkpoint starts
+        s.ckpt = agent_factory.checkpoints / "c1"
+        s.manifest = dict(agent.client.checkpoint(str(s.ckpt), timeout=900))
+        time.sleep(1.0)
+        stop.set()
+        for w in workers:
+            w.join(180)
+        st = agent.wait_ready(60)
+        assert st.origin == "restored", st.raw
+        s.after_verify = completions(agent)
+    except BaseException:
+        print(agent.tail(200))
+        raise
+    finally:
+        agent.stop()
+    yield s
+
+
+def test_checkpoint_manifest_and_verification(shared: Shared) -> None:
+    man = shared.manifest
+    assert man["format"] == 1
+    assert (shared.ckpt / "verified").is_file()
+    assert shared.ckpt.stat().st_mode & 0o777 == 0o700
+    paths = {f["path"] for f in man["files"]}
+    assert any(p.startswith("images/pages-") for p in paths)
+    assert any(p.startswith("shm/") for p in paths), "vLLM's /dev/shm files were not saved"
+    assert man["fingerprint"]["model_digest"] and man["fingerprint"]["vllm"]
+    assert man["criu"]["version"]
+    assert man["timings"]["criu_dump"] > 0
+    on_disk = json.loads((shared.ckpt / "manifest.json").read_text())
+    assert on_disk["verified"]["restore_seconds"]["total"] > 0
+    # The verification restore serves the same greedy completions as before the dump.
+    assert shared.after_verify == shared.before
+
+
+def test_no_request_lost_during_checkpoint(shared: Shared) -> None:
+    kinds = {k for k, _ in shared.outcomes}
+    errors = [o for o in shared.outcomes if o[0] not in ("ok", "http 503")]
+    assert not errors, errors[:5]
+    assert "ok" in kinds
+    refused = [v for k, v in shared.outcomes if k == "http 503"]
+    assert refused, "no request arrived while draining: the test did not exercise refusal"
+    assert all(r for r in refused), "a 503 without Retry-After"
+
+
+def test_restore_in_new_namespace_twice(shared: Shared, agent_factory: AgentFactory) -> None:
+    for attempt in range(2):
+        agent = agent_factory.start("--checkpoint", str(shared.ckpt), name=f"restore{attempt}")
+        try:
+            st = agent.wait_ready(300)
+            assert st.origin == "restored", (st.raw, agent.tail(100))
+            assert st.last_fallback is None
+            assert completions(agent) == shared.before
+            restore = st.timings["restore"]
+            assert restore["criu_restore"] > 0 and restore["total"] > 0
+        finally:
+            agent.stop()
+
+
+def test_api_needs_token(shared: Shared, agent_factory: AgentFactory) -> None:
+    agent = agent_factory.start("--checkpoint", str(shared.ckpt), name="auth")
+    try:
+        agent.wait_ready(300)
+        for path, method, body in (
+            ("/v1/status", "GET", None),
+            ("/v1/checkpoint", "POST", b'{"dir": "/x"}'),
+            ("/metrics", "GET", None),
+        ):
+            req = urllib.request.Request(agent.admin_url + path, data=body, method=method)
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(req, timeout=10)
+            assert e.value.code == 401
+            req.add_header("Authorization", "Bearer wrong-token-wrong-token")
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(req, timeout=10)
+            assert e.value.code == 401
+        with urllib.request.urlopen(agent.admin_url + "/readyz", timeout=10) as r:
+            assert r.status == 200
+        req = urllib.request.Request(
+            agent.admin_url + "/metrics", headers={"Authorization": f"Bearer {agent.token}"}
+        )
+        with urllib.request.urlopen(req, timeout=10) as r:
+            text = r.read().decode()
+        assert 'rekindle_restore_phase_seconds_count{phase="criu_restore"} 1.0' in text
+        assert 'rekindle_state{state="Ready"} 1.0' in text
+    finally:
+        agent.stop()
+
+
+def _smallest_pages(ckpt: Path) -> Path:
+    pages = [p for p in (ckpt / "images").glob("pages-*.img") if p.stat().st_size > 0]
+    return min(pages, key=lambda p: p.stat().st_size)
+
+
+def _corrupt_pages(ckpt: Path) -> None:
+    target = _smallest_pages(ckpt)
+    data = bytearray(target.read_bytes())  # resolves the symlink: a private copy
+    data[len(data) // 2] ^= 0xFF
+    target.unlink()
+    target.write_bytes(bytes(data))
+
+
+def _remove_core(ckpt: Path) -> None:
+    next(iter(sorted((ckpt / "images").glob("core-*.img")))).unlink()
+
+
+def _other_vllm(ckpt: Path) -> None:
+    def change(doc: dict[str, Any]) -> None:
+        doc["fingerprint"]["vllm"] = "0.0.1"
+
+    edit_manifest(ckpt, change)
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        (_corrupt_pages, "checksum_mismatch"),
+        (_remove_core, "file_missing"),
+        (_other_vllm, "fingerprint_mismatch"),
+    ],
+)
+def test_bad_checkpoint_falls_back_to_boot(
+    shared: Shared, agent_factory: AgentFactory, tmp_path: Path, damage: Any, reason: str
+) -> None:
+    ckpt = shadow_checkpoint(shared.ckpt, tmp_path / "ckpt")
+    damage(ckpt)
+    agent = agent_factory.start("--checkpoint", str(ckpt), name=f"fallback-{reason}")
+    try:
+        st = agent.wait_ready(600)
+        assert st.origin == "booted", st.raw
+        assert st.last_fallback is not None and st.last_fallback["reason"] == reason, st.raw
+        assert completions(agent) == shared.before
+    finally:
+        agent.stop()

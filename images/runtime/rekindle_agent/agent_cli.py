@@ -18,4 +18,4 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     add_bench_local(sub)
 
 
-ADDERS: list[Callable[[argparse._SubParsersAction], None]] = [add_agent]
+ADDERS: list[Callable[[argparse._SubParsersAction], None]] = [add_agent, add_bench]

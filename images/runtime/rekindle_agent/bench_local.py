@@ -1,0 +1,268 @@
+"""`rekindle bench local`: naive boot vs CRIU restore, on this machine, launch to first token.
+
+Every variant runs the real agent as PID 1 of a fresh PID+mount namespace with
+an empty /dev/shm (rekindle_agent.harness), like a new pod:
+  naive    no checkpoint: vLLM boots
+  stock    restore with stock CRIU (copying restore), no prefetch; checksums
+           verified up front
+  patched  restore with the patched CRIU (--mmap-restore when it has it) and
+           the parallel prefetch, checksums verified while restoring
+each with a warm and a cold page cache (`echo 3 > /proc/sys/vm/drop_caches`),
+for N trials, interleaved. Time to first token = agent launch to the answer of
+a one-token completion through the agent's proxy. Results: JSON, a Markdown
+table and a PNG of stacked phase bars.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from rekindle_agent.harness import AgentFactory, AgentProc
+
+VARIANTS: dict[str, tuple[str, ...]] = {
+    "naive": ("--restore-policy", "never"),
+    "stock": ("--mmap-restore", "off", "--no-prefetch"),
+    "patched": ("--mmap-restore", "auto", "--prefetch"),
+}
+RESTORE_PHASES = (
+    "validate",
+    "checksums",
+    "shm",
+    "criu_restore",
+    "health",
+    "prefetch_wait",
+    "reload_weights",
+    "first_token",
+)
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def drop_caches() -> None:
+    subprocess.run(["sync"], check=True)
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def wait_ready_tight(agent: AgentProc, timeout: float) -> float:
+    """Poll /readyz every 10 ms; seconds since launch when it first answered 200."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if agent.proc.poll() is not None:
+            raise RuntimeError(f"agent exited:\n{agent.tail()}")
+        try:
+            with urllib.request.urlopen(agent.admin_url + "/readyz", timeout=1) as r:
+                if r.status == 200:
+                    return time.monotonic() - agent.launched
+        except OSError:
+            pass
+        time.sleep(0.01)
+    raise TimeoutError(f"not ready after {timeout}s:\n{agent.tail()}")
+
+
+def one_run(
+    factory: AgentFactory, variant: str, ckpt: Path, criu: dict[str, Path], name: str
+) -> dict[str, Any]:
+    extra = list(VARIANTS[variant])
+    if variant != "naive":
+        extra += ["--checkpoint", str(ckpt), "--criu", str(criu[variant])]
+    agent = factory.start(*extra, name=name)
+    try:
+        ready = wait_ready_tight(agent, 900)
+        agent.complete("The river", max_tokens=1)
+        ttft = time.monotonic() - agent.launched
+        st = agent.status()
+    finally:
+        agent.stop()
+    if variant != "naive" and st.origin != "restored":
+        raise RuntimeError(f"{variant}: fell back to boot: {st.last_fallback}")
+    flow = st.timings.get("restore" if variant != "naive" else "boot", {})
+    phases: dict[str, float] = {}
+    if variant == "naive":
+        phases["vllm_boot"] = flow.get("total", 0.0)
+    else:
+        for p in RESTORE_PHASES:
+            if p in flow:
+                phases[p] = flow[p]
+    phases = {
+        "agent_start": max(0.0, ready - flow.get("total", 0.0)),
+        **phases,
+        "first_request": ttft - ready,
+    }
+    return {
+        "variant": variant,
+        "ttft": ttft,
+        "ready": ready,
+        "phases": phases,
+        "mmap": bool(st.raw.get("restored_with_mmap")),
+        "prefetch_total": flow.get("prefetch_total"),
+    }
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key in sorted({(r["variant"], r["cache"]) for r in runs}):
+        rs = [r for r in runs if (r["variant"], r["cache"]) == key]
+        ttfts = [r["ttft"] for r in rs]
+        phase_names = list(dict.fromkeys(p for r in rs for p in r["phases"]))
+        out[f"{key[0]}/{key[1]}"] = {
+            "variant": key[0],
+            "cache": key[1],
+            "trials": len(rs),
+            "ttft_median": statistics.median(ttfts),
+            "ttft_min": min(ttfts),
+            "ttft_max": max(ttfts),
+            "phases_median": {
+                p: statistics.median(r["phases"].get(p, 0.0) for r in rs) for p in phase_names
+            },
+            "mmap": any(r["mmap"] for r in rs),
+        }
+    for cache in ("warm", "cold"):
+        naive = out.get(f"naive/{cache}")
+        for v in ("stock", "patched"):
+            s = out.get(f"{v}/{cache}")
+            if naive and s:
+                s["speedup_vs_naive"] = naive["ttft_median"] / s["ttft_median"]
+    return out
+
+
+def table(summary: dict[str, Any]) -> str:
+    lines = [
+        "| variant | cache | trials | TTFT median (s) | min-max (s) | x faster than naive |",
+        "|---|---|---|---|---|---|",
+    ]
+    for s in summary.values():
+        speed = f"{s['speedup_vs_naive']:.1f}" if "speedup_vs_naive" in s else "1.0"
+        lines.append(
+            f"| {s['variant']}{' (mmap)' if s['mmap'] else ''} | {s['cache']} | {s['trials']} | "
+            f"{s['ttft_median']:.2f} | {s['ttft_min']:.2f}-{s['ttft_max']:.2f} | {speed} |"
+        )
+    lines += ["", "Median phase seconds:", ""]
+    for s in summary.values():
+        parts = ", ".join(f"{k} {v:.3f}" for k, v in s["phases_median"].items())
+        lines.append(f"- {s['variant']}/{s['cache']}: {parts}")
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(summary)
+    phases = list(dict.fromkeys(p for s in summary.values() for p in s["phases_median"]))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [1, 2]})
+    for ax, keys in ((ax1, labels), (ax2, [k for k in labels if not k.startswith("naive")])):
+        bottom = [0.0] * len(keys)
+        for ph in phases:
+            vals = [summary[k]["phases_median"].get(ph, 0.0) for k in keys]
+            if not any(vals):
+                continue
+            ax.bar(keys, vals, bottom=bottom, label=ph)
+            bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+        for i, k in enumerate(keys):
+            s = summary[k]
+            ax.errorbar(
+                i,
+                s["ttft_median"],
+                yerr=[[s["ttft_median"] - s["ttft_min"]], [s["ttft_max"] - s["ttft_median"]]],
+                fmt="k.",
+                capsize=4,
+            )
+        ax.set_ylabel("seconds, launch to first token (median; bars: min-max)")
+        ax.tick_params(axis="x", rotation=30)
+    ax1.set_title("all variants")
+    ax2.set_title("restores only (zoom)")
+    ax2.legend(fontsize=8, loc="upper right")
+    fig.suptitle("rekindle bench local: vLLM CPU, tiny model, " + platform.node())
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    if os.geteuid() != 0:
+        print("rekindle bench local: needs root (CRIU, namespaces, drop_caches)", file=sys.stderr)
+        return 2
+    prefix = Path(args.criu_prefix)
+    criu = {"stock": prefix / "stock" / "criu", "patched": prefix / "patched" / "criu"}
+    for p in criu.values():
+        if not os.access(p, os.X_OK):
+            print(f"no CRIU at {p}: run scripts/build-criu and pass its output", file=sys.stderr)
+            return 2
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    model = Path(args.model) if args.model else None
+    if model is None:
+        from rekindle_agent.model import generate_tiny_model
+
+        model = generate_tiny_model(work / "tiny")
+    factory = AgentFactory(work, model, criu["patched"])
+    ckpt = factory.checkpoints / f"bench-{int(time.time())}"
+    log("booting once to make the checkpoint")
+    agent = factory.start(name="make-checkpoint")
+    try:
+        agent.wait_ready(900)
+        man = agent.client.checkpoint(str(ckpt), timeout=900)
+    finally:
+        agent.stop()
+    size = sum(int(f["size"]) for f in man["files"])
+    log(f"checkpoint {ckpt}: {size / 2**30:.2f} GiB")
+    runs: list[dict[str, Any]] = []
+    order = [v for v in args.variants.split(",") if v]
+    for trial in range(args.trials):
+        for cache in ("warm", "cold"):
+            for variant in order:
+                if cache == "cold":
+                    drop_caches()
+                r = one_run(factory, variant, ckpt, criu, f"{variant}-{cache}-{trial}")
+                r.update(cache=cache, trial=trial)
+                runs.append(r)
+                log(f"trial {trial} {variant:8s} {cache}: first token {r['ttft']:.2f}s")
+    summary = summarize(runs)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "command": " ".join(["rekindle", "bench", "local", *sys.argv[3:]]),
+        "host": {
+            "node": platform.node(),
+            "kernel": platform.release(),
+            "cpus": os.cpu_count(),
+            "load_avg_at_end": os.getloadavg(),
+        },
+        "checkpoint_bytes": size,
+        "checkpoint_timings": man["timings"],
+        "variants": {k: list(v) for k, v in VARIANTS.items()},
+        "summary": summary,
+        "runs": runs,
+    }
+    (out / "results.json").write_text(json.dumps(doc, indent=2))
+    text = table(summary)
+    (out / "results.md").write_text(text)
+    plot(summary, out / "results.png")
+    print(text)
+    return 0
+
+
+def add_bench_local(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="benchmarks")
+    bsub = bench.add_subparsers(dest="bench_cmd", required=True)
+    p = bsub.add_parser("local", help="naive boot vs CRIU restore on this machine")
+    p.add_argument("--criu-prefix", required=True, help="scripts/build-criu's output directory")
+    p.add_argument("--model", help="model directory (default: generate the tiny model)")
+    p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--variants", default="naive,stock,patched")
+    p.add_argument("--work", default="/var/tmp/rekindle-bench", help="scratch (on disk)")
+    p.add_argument("--out", default="docs/bench/local")
+    p.set_defaults(func=run_bench)

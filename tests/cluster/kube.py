@@ -60,5 +60,3 @@ def wait_until(what: str, cond: Callable[[], bool], timeout: float = 120) -> Non
             return
         time.sleep(0.5)
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-
-

@@ -23,7 +23,8 @@ def pod_yaml(name: str, image: str, shm_limit: str | None = None) -> str:
         mounts = """
     volumeMounts:
     - {name: dshm, mountPath: /dev/shm}"""
-    return textwrap.dedent(f"""\
+    return (
+        textwrap.dedent(f"""\
         apiVersion: v1
         kind: Pod
         metadata: {{name: {name}}}
@@ -33,7 +34,11 @@ def pod_yaml(name: str, image: str, shm_limit: str | None = None) -> str:
           - name: main
             image: {image}
             imagePullPolicy: Never
-            args: ["echo started; sleep 3600"]""") + mounts + volumes + "\n"
+            args: ["echo started; sleep 3600"]""")
+        + mounts
+        + volumes
+        + "\n"
+    )
 
 
 def run_pod(namespace: str, name: str, image: str, shm_limit: str | None = None) -> None:

@@ -61,8 +61,11 @@ def _blank(ts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.numel() == 0:
         return a.shape == b.shape
-    return bool(torch.equal(a.contiguous().view(-1).view(torch.uint8),
-                            b.contiguous().view(-1).view(torch.uint8)))
+    return bool(
+        torch.equal(
+            a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)
+        )
+    )
 
 
 @pytest.fixture()
@@ -97,7 +100,12 @@ def test_layout_is_page_aligned_and_index_complete(
 
 @pytest.mark.parametrize(
     ("threads", "chunk", "staged", "buffers"),
-    [(1, BLOCK, False, None), (4, BLOCK, False, None), (3, 2 * BLOCK, True, 1), (2, BLOCK, True, 5)],
+    [
+        (1, BLOCK, False, None),
+        (4, BLOCK, False, None),
+        (3, 2 * BLOCK, True, 1),
+        (2, BLOCK, True, 5),
+    ],
 )
 def test_round_trip_is_bit_exact(
     dumped: tuple[Path, dict[str, torch.Tensor]],
@@ -168,8 +176,10 @@ def test_eof_mid_tensor_names_the_tensor(
     real = os.preadv
 
     def eof_in_big(fd: int, bufs: list[memoryview], off: int) -> int:
-        return 0 if off >= big.offset + BLOCK and off < big.offset + big.nbytes else real(
-            fd, bufs, off
+        return (
+            0
+            if off >= big.offset + BLOCK and off < big.offset + big.nbytes
+            else real(fd, bufs, off)
         )
 
     monkeypatch.setattr(os, "preadv", eof_in_big)
@@ -204,8 +214,11 @@ def test_corrupt_byte_is_caught_and_names_the_tensor(
         b = f.read(1)
         f.seek(big.offset + 2 * BLOCK + 17)
         f.write(bytes([b[0] ^ 0x01]))
-    with pytest.raises(fmt.WeightsFormatError, match=r"'layers\.0\.w'.*checksum mismatch in bytes "
-                       f"{2 * BLOCK}"):
+    with pytest.raises(
+        fmt.WeightsFormatError,
+        match=r"'layers\.0\.w'.*checksum mismatch in bytes "
+        f"{2 * BLOCK}",
+    ):
         reload_tensors(d, _blank(src), options=ReloadOptions(chunk_bytes=BLOCK, staged=staged))
     with pytest.raises(fmt.WeightsFormatError, match=r"layers\.0\.w"):
         verify_file(d, 0)
@@ -240,7 +253,7 @@ def test_index_that_does_not_match_the_model_is_refused(
 
 
 def test_bad_index_documents_are_refused(dumped: tuple[Path, dict[str, torch.Tensor]]) -> None:
-    d, src = dumped
+    d, _src = dumped
     ipath = fmt.index_path(d, 0)
     doc = json.loads(ipath.read_text())
     doc["tensors"][1]["offset"] += 1
@@ -336,6 +349,5 @@ def test_copy_failure_in_one_reader_is_raised_after_in_flight_copies_finish(
 
     engine = Failing()
     with pytest.raises(RuntimeError, match="copy engine broke"):
-        reload_tensors(d, _blank(src), options=ReloadOptions(threads=2, staged=True),
-                       engine=engine)
+        reload_tensors(d, _blank(src), options=ReloadOptions(threads=2, staged=True), engine=engine)
     assert engine.finished

@@ -1,10 +1,316 @@
-"""Rekindle's vLLM worker extension (placeholder; the full RPCs are being written)."""
+"""Rekindle's vLLM worker extension: dump, release and reload weights over collective_rpc.
+
+Start vLLM with `--worker-extension-cls
+rekindle_agent.weights.extension.RekindleWorkerExtension` (vllm_server.py does)
+and `VLLM_SERVER_DEV_MODE=1`; then `POST /collective_rpc` with
+`{"method": M, "args": [...], "kwargs": {...}}` answers `{"results": [one per worker]}`.
+Every method returns a JSON-serializable dict. The interface (agreed with the agent):
+
+- `rekindle_dump_weights(dir) -> {"rank", "bytes", "seconds", "tensors", ...}`
+  writes `dir/weights-rank{R}.bin` and `dir/weights-rank{R}.json` (format.py):
+  every parameter and buffer exactly as it sits in the loaded model.
+- `rekindle_release_weights() -> {"rank", "freed_bytes", ...}` drops the weights'
+  and the KV cache's memory. On CPU this is real work (vLLM's sleep is a no-op
+  there): every storage is shrunk to 0 bytes (the Parameter objects and their
+  views stay), CPU GEMM handlers holding packed copies are dropped, then
+  gc + malloc_trim return the memory to the OS. On GPU, vLLM's
+  `POST /sleep?level=2` releases memory (keeping virtual addresses) and this
+  call only reports that.
+- `rekindle_reload_weights(dir, verify="true", threads=None) -> {"rank", "bytes",
+  "seconds", "gbps", ...}` refills every tensor in place from the dump (on CPU
+  after re-allocating what release freed; on GPU after `POST
+  /wake_up?tags=weights`). The caller then calls `POST /reset_prefix_cache`
+  (the KV cache's content is gone) and, on GPU, `POST /wake_up?tags=kv_cache`.
+- `rekindle_weights_digest() -> {name: checksum}`: per-tensor block CRC-32s
+  (format.py), to prove a round trip bit-exact.
+- `rekindle_worker_info() -> {"rank", "pid", "rss_bytes", "released"}`.
+
+Between release and reload the model must not run: drain requests first.
+
+CPU detail: vLLM's CPU linear layers pack their weight into a oneDNN (or
+sgl) handler and replace the Parameter with an empty one, which would leave
+the real weights outside any tensor. Importing this module in a CPU worker
+(vLLM imports it before loading the model) makes that dispatch keep the
+Parameter (`remove_weight=False`), so the dump holds the weights; reload
+rebuilds the handlers from the refilled Parameters. Cost: the linear weights
+are held twice on CPU. Set REKINDLE_CPU_KEEP_WEIGHTS=0 to turn this off (dump
+and reload then refuse a model whose weights were removed).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import gc
+import os
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from rekindle_agent.weights import format as fmt
+from rekindle_agent.weights.dump import dump_tensors
+from rekindle_agent.weights.reload import ReloadOptions, load_into, validate
+from rekindle_agent.weights.tensors import byte_tensor, host_bytes, model_tensors
+
+if TYPE_CHECKING:
+    import torch
+
+
+def _truthy(v: object) -> bool:
+    """collective_rpc passes JSON values through, often as strings: accept both."""
+    if isinstance(v, str):
+        return v.strip().lower() not in ("", "0", "false", "no", "off")
+    return bool(v)
+
+
+def _opt_int(v: object) -> int | None:
+    if v is None or v == "":
+        return None
+    return int(v)  # type: ignore[call-overload]
+
+
+def _rss_bytes(pid: int | str = "self") -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _malloc_trim() -> None:
+    """Give freed heap pages back to the OS, so RSS (and a CRIU image) really shrinks."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+# ---------------------------------------------------------------- CPU GEMM handlers
+
+
+def _keep_cpu_linear_weights() -> None:
+    """Make vLLM's CPU GEMM dispatch keep the weight Parameter (see module docstring)."""
+    if os.environ.get("REKINDLE_CPU_KEEP_WEIGHTS", "1") == "0":
+        return
+    try:
+        from vllm.model_executor.layers import utils as layer_utils
+        from vllm.platforms import current_platform
+    except ImportError:
+        return
+    if not current_platform.is_cpu():
+        return
+    orig = layer_utils.dispatch_cpu_unquantized_gemm
+    if getattr(orig, "_rekindle", False):
+        return
+
+    def dispatch_keeping_weight(layer: Any, remove_weight: bool) -> None:
+        orig(layer, remove_weight=False)
+        layer._rekindle_redispatch = True
+
+    dispatch_keeping_weight._rekindle = True  # type: ignore[attr-defined]
+    layer_utils.dispatch_cpu_unquantized_gemm = dispatch_keeping_weight
+
+
+_keep_cpu_linear_weights()
+
+
+def _released_linear(*args: object, **kwargs: object) -> None:
+    raise RuntimeError(
+        "this layer's weights were released by rekindle_release_weights; "
+        "call rekindle_reload_weights before serving"
+    )
+
+
+def _drop_cpu_handlers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Replace CPU GEMM closures (which own packed weight copies) by a stub; return the layers."""
+    dropped = []
+    for m in model.modules():
+        if getattr(m, "_rekindle_redispatch", False) and callable(getattr(m, "cpu_linear", None)):
+            setattr(m, "cpu_linear", _released_linear)  # noqa: B010 (Module typing)
+            dropped.append(m)
+    return dropped
+
+
+def _rebuild_cpu_handlers(layers: list[torch.nn.Module]) -> None:
+    from vllm.model_executor.layers import utils as layer_utils
+
+    for m in layers:
+        layer_utils.dispatch_cpu_unquantized_gemm(m, remove_weight=False)
+
+
+# ---------------------------------------------------------------- storages
+
+
+def _storages(tensors: list[torch.Tensor]) -> dict[int, tuple[Any, int]]:
+    """Distinct live storages behind tensors: data_ptr -> (storage, nbytes)."""
+    out: dict[int, tuple[Any, int]] = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        ptr = s.data_ptr()
+        if ptr and ptr not in out:
+            out[ptr] = (s, s.nbytes())
+    return out
+
+
+def _flatten(obj: object) -> list[torch.Tensor]:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, list | tuple):
+        return [t for o in obj for t in _flatten(o)]
+    return []
+
+
+def _kv_cache_tensors(runner: Any) -> list[torch.Tensor]:
+    """The KV cache: the runner's list plus what attention layers hold (views of the same)."""
+    tensors = _flatten(getattr(runner, "kv_caches", []))
+    ctx = getattr(getattr(runner, "compilation_config", None), "static_forward_context", {})
+    for layer in (ctx or {}).values():
+        tensors += _flatten(getattr(layer, "kv_cache", None))
+    return tensors
+
+
+@dataclass
+class _Released:
+    """What release freed, so reload can re-allocate exactly that."""
+
+    weights: list[tuple[Any, int]] = field(default_factory=list)
+    kv: list[tuple[Any, int]] = field(default_factory=list)
+    cpu_layers: list[Any] = field(default_factory=list)
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(n for _, n in self.weights)
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(n for _, n in self.kv)
+
+
+def _shrink(storages: dict[int, tuple[Any, int]]) -> list[tuple[Any, int]]:
+    freed = []
+    for s, n in storages.values():
+        s.resize_(0)
+        freed.append((s, n))
+    return freed
+
+
+def _regrow(freed: list[tuple[Any, int]]) -> None:
+    for s, n in freed:
+        s.resize_(n)
+
+
+# ---------------------------------------------------------------- the extension
+
 
 class RekindleWorkerExtension:
-    """Mixed into every vLLM worker by `--worker-extension-cls`."""
+    """Mixed into every vLLM worker; methods are called through collective_rpc.
 
-    def rekindle_ping(self) -> dict[str, object]:
-        return {"ok": True}
+    Only `rekindle_`-prefixed attributes: vLLM asserts the extension adds no
+    name the worker already has.
+    """
+
+    model_runner: Any
+    rank: int
+    device: Any
+    _rekindle_released: _Released | None  # annotation only: no class attribute to clash
+
+    def _rekindle_model(self) -> torch.nn.Module:
+        model: torch.nn.Module = self.model_runner.get_model()
+        return model
+
+    def _rekindle_state(self) -> _Released | None:
+        return getattr(self, "_rekindle_released", None)
+
+    def _rekindle_named(self) -> dict[str, torch.Tensor]:
+        return {name: t for name, _, t in model_tensors(self._rekindle_model())}
+
+    def rekindle_worker_info(self) -> dict[str, Any]:
+        return {
+            "rank": int(self.rank),
+            "pid": os.getpid(),
+            "rss_bytes": _rss_bytes(),
+            "released": self._rekindle_state() is not None,
+        }
+
+    def rekindle_dump_weights(self, directory: str) -> dict[str, Any]:
+        if self._rekindle_state() is not None:
+            raise RuntimeError("weights are released: reload them before dumping")
+        self._rekindle_check_not_removed()
+        res = dump_tensors(model_tensors(self._rekindle_model()), directory, int(self.rank))
+        return res.to_json()
+
+    def _rekindle_check_not_removed(self) -> None:
+        """Refuse models whose CPU linear weights live only in packed handlers."""
+        for m in self._rekindle_model().modules():
+            w = getattr(m, "weight", None)
+            if callable(getattr(m, "cpu_linear", None)) and w is not None and w.numel() == 0:
+                raise RuntimeError(
+                    "vLLM removed this model's CPU linear weights into packed handlers; "
+                    "unset REKINDLE_CPU_KEEP_WEIGHTS=0 and restart vLLM"
+                )
+
+    def rekindle_release_weights(self) -> dict[str, Any]:
+        if self._rekindle_state() is not None:
+            return {"rank": int(self.rank), "freed_bytes": 0, "already_released": True}
+        if self.device.type != "cpu":
+            # GPU: /sleep?level=2 unmaps weights and KV cache (virtual addresses kept).
+            return {"rank": int(self.rank), "freed_bytes": 0, "mode": "vllm-sleep"}
+        rss0 = _rss_bytes()
+        model = self._rekindle_model()
+        state = _Released(cpu_layers=_drop_cpu_handlers(model))
+        weights = _storages([t for _, _, t in model_tensors(model)])
+        kv = {
+            p: v
+            for p, v in _storages(_kv_cache_tensors(self.model_runner)).items()
+            if p not in weights
+        }
+        state.weights = _shrink(weights)
+        state.kv = _shrink(kv)
+        self._rekindle_released = state
+        gc.collect()
+        _malloc_trim()
+        return {
+            "rank": int(self.rank),
+            "freed_bytes": state.weight_bytes + state.kv_bytes,
+            "weight_bytes": state.weight_bytes,
+            "kv_cache_bytes": state.kv_bytes,
+            "rss_before": rss0,
+            "rss_after": _rss_bytes(),
+        }
+
+    def rekindle_reload_weights(
+        self, directory: str, verify: object = True, threads: object = None
+    ) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        rank = int(self.rank)
+        index = fmt.read_index(directory, rank)
+        ordered = validate(index, self._rekindle_named())  # before any allocation or write
+        state = self._rekindle_state()
+        if state is not None:
+            _regrow(state.weights)
+        opts = ReloadOptions(verify=_truthy(verify), threads=_opt_int(threads))
+        try:
+            res = load_into(index, fmt.data_path(directory, rank), ordered, opts)
+        except BaseException:
+            # Leave the worker visibly unusable rather than half-loaded and serving.
+            if state is not None:
+                _shrink(_storages(ordered))
+            raise
+        if state is not None:
+            _regrow(state.kv)
+            _rebuild_cpu_handlers(state.cpu_layers)
+            self._rekindle_released = None
+        out = res.to_json()
+        out["total_seconds"] = round(time.perf_counter() - t0, 6)
+        return out
+
+    def rekindle_weights_digest(self) -> dict[str, str]:
+        if self._rekindle_state() is not None:
+            raise RuntimeError("weights are released: nothing to digest")
+        out = {}
+        for name, _, t in model_tensors(self._rekindle_model()):
+            dense = t.contiguous()
+            if dense.device.type != "cpu":
+                dense = byte_tensor(dense).cpu()
+            out[name] = fmt.format_checksum(fmt.block_crcs(host_bytes(dense)))
+        return out

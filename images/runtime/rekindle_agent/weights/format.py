@@ -99,7 +99,7 @@ class WeightIndex:
         }
 
 
-def block_crcs(data: memoryview | bytes, block_bytes: int = BLOCK_BYTES) -> list[int]:
+def block_crcs(data: memoryview | bytes | bytearray, block_bytes: int = BLOCK_BYTES) -> list[int]:
     """CRC-32 of each block_bytes block of data (an empty buffer has one: crc32(b"") = 0)."""
     mv = memoryview(data).cast("B")
     if len(mv) == 0:
@@ -134,7 +134,8 @@ def _entry(raw: dict[str, Any], i: int) -> TensorEntry:
             checksum=str(raw["checksum"]),
         )
     except (KeyError, TypeError, ValueError) as e:
-        raise WeightsFormatError(f"index entry {i} ({raw.get('name', '?')!r}) is malformed: {e}")
+        name = raw.get("name", "?")
+        raise WeightsFormatError(f"index entry {i} ({name!r}) is malformed: {e}") from None
 
 
 def parse_index(doc: dict[str, Any], source: str = "index") -> WeightIndex:

@@ -48,7 +48,7 @@ MiB = 1 << 20
 
 
 def default_threads(device: str = "cpu") -> int:
-    """Readers: the CPU count (page-cache copies are CPU work), at least 2 for overlap, at most 8."""
+    """Readers: the CPU count (page-cache copies are CPU work), at least 2, at most 8."""
     cpus = os.cpu_count() or 2
     return max(2, min(8, cpus))
 
@@ -122,9 +122,7 @@ class Chunk:
     pieces: tuple[Piece, ...]
 
 
-def plan_chunks(
-    entries: Sequence[fmt.TensorEntry], chunk_bytes: int, pack: bool
-) -> list[Chunk]:
+def plan_chunks(entries: Sequence[fmt.TensorEntry], chunk_bytes: int, pack: bool) -> list[Chunk]:
     """Split tensors into reads of at most chunk_bytes, in file order.
 
     Big tensors are cut at multiples of chunk_bytes (so readers share them);
@@ -155,9 +153,7 @@ def plan_chunks(
     return chunks
 
 
-def validate(
-    index: fmt.WeightIndex, tensors: Mapping[str, torch.Tensor]
-) -> list[torch.Tensor]:
+def validate(index: fmt.WeightIndex, tensors: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
     """The tensors in index order, after checking the dump describes exactly these tensors.
 
     Runs before any write, so a mismatched dump never half-loads a model.
@@ -310,8 +306,6 @@ class CudaCopyEngine:
     """Asynchronous host-to-device copies, one CUDA stream per reader thread."""
 
     def __init__(self, device: torch.device) -> None:
-        import torch
-
         self.device = device
         self._local = threading.local()
         self._streams: list[torch.cuda.Stream] = []
@@ -451,8 +445,9 @@ def _staged_reload(
                     at = p.file_offset - c.file_offset
                     e = index.tensors[p.tensor]
                     if verify:
-                        check_blocks(e, p.tensor_offset, mv[at : at + p.length], index.block_bytes,
-                                     path)
+                        check_blocks(
+                            e, p.tensor_offset, mv[at : at + p.length], index.block_bytes, path
+                        )
                     dst = dest_bytes[p.tensor][p.tensor_offset : p.tensor_offset + p.length]
                     engine.copy(dst, slot.buf[at : at + p.length])
                 slot.fence = engine.record()

@@ -1,0 +1,145 @@
+"""Dump, release and reload the weights of a real vLLM CPU server through collective_rpc.
+
+One server for the module (a boot costs ~30 s). The oracle: per-tensor
+checksums computed inside the worker, and greedy completions, before and after.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from rekindle_agent.vllm_server import complete
+from rekindle_agent.weights import format as fmt
+from rekindle_agent.weights.server import RpcError, VllmServer, running_vllm
+
+pytestmark = pytest.mark.vllm
+
+PROMPTS = ["The river", "Checkpoint and restore", "A winter garden in the city"]
+
+
+def _rss(pid: int) -> int:
+    """Resident memory of a process, read from /proc as any outside observer would."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def _completions(server: VllmServer) -> list[str]:
+    return [complete(server.url, "tiny", p, max_tokens=16) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def weights_server(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VllmServer]:
+    log = tmp_path_factory.mktemp("weights-vllm") / "vllm.log"
+    with running_vllm(tiny_model, log) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def weights_dump(weights_server: VllmServer, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("weights-dump")
+    (res,) = weights_server.rpc("rekindle_dump_weights", str(d))
+    assert res["rank"] == 0 and res["tensors"] > 0
+    assert res["bytes"] == fmt.data_path(d, 0).stat().st_size
+    json.dumps(res)  # the agent relays these as JSON
+    return d
+
+
+def test_dump_release_reload_is_bit_exact_and_frees_memory(
+    weights_server: VllmServer, weights_dump: Path
+) -> None:
+    s = weights_server
+    before = _completions(s)
+    (digest0,) = s.rpc("rekindle_weights_digest")
+    index = fmt.read_index(weights_dump, 0)
+    # The dump holds exactly what the worker holds, checksum for checksum.
+    assert digest0 == {t.name: t.checksum for t in index.tensors}
+
+    (info,) = s.rpc("rekindle_worker_info")
+    pid = info["pid"]
+    rss_before = _rss(pid)
+    (rel,) = s.rpc("rekindle_release_weights")
+    rss_released = _rss(pid)
+    assert rel["weight_bytes"] >= index.data_bytes * 0.9  # every weight, not just a few
+    assert rel["kv_cache_bytes"] > 0
+    dropped = rss_before - rss_released
+    print(
+        f"\nworker {pid} RSS {rss_before / 2**20:.0f} MiB -> {rss_released / 2**20:.0f} MiB "
+        f"after release (dropped {dropped / 2**20:.0f} MiB; freed {rel['freed_bytes'] / 2**20:.0f} "
+        f"MiB of weights+KV)"
+    )
+    assert dropped >= 0.8 * rel["freed_bytes"]
+
+    (res,) = s.rpc("rekindle_reload_weights", str(weights_dump))
+    assert res["bytes"] == index.data_bytes and res["verified"] is True
+    assert res["gbps"] > 0
+    s.post("/reset_prefix_cache")
+    (digest1,) = s.rpc("rekindle_weights_digest")
+    assert digest1 == digest0
+    assert _completions(s) == before
+
+
+def _broken_copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_corrupt_dump_is_refused_naming_the_tensor_and_a_good_one_recovers(
+    weights_server: VllmServer, weights_dump: Path, tmp_path: Path
+) -> None:
+    s = weights_server
+    before = _completions(s)
+    index = fmt.read_index(weights_dump, 0)
+    victim = max(index.tensors, key=lambda t: t.nbytes)
+    bad = _broken_copy(weights_dump, tmp_path / "corrupt")
+    with open(fmt.data_path(bad, 0), "r+b") as f:
+        f.seek(victim.offset + victim.nbytes // 2)
+        b = f.read(1)
+        f.seek(victim.offset + victim.nbytes // 2)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+    s.rpc("rekindle_release_weights")
+    with pytest.raises(RpcError, match=rf"{victim.name}.*checksum mismatch"):
+        s.rpc("rekindle_reload_weights", str(bad))
+    (info,) = s.rpc("rekindle_worker_info")
+    assert info["released"] is True  # refused: still released, not half-loaded and serving
+
+    s.rpc("rekindle_reload_weights", str(weights_dump))
+    s.post("/reset_prefix_cache")
+    assert _completions(s) == before
+
+
+@pytest.mark.parametrize("damage", ["truncate", "dtype", "shape", "rename"])
+def test_dump_that_does_not_match_is_refused_before_anything_is_written(
+    weights_server: VllmServer, weights_dump: Path, tmp_path: Path, damage: str
+) -> None:
+    s = weights_server
+    (digest0,) = s.rpc("rekindle_weights_digest")
+    bad = _broken_copy(weights_dump, tmp_path / damage)
+    ipath = fmt.index_path(bad, 0)
+    doc = json.loads(ipath.read_text())
+    victim = doc["tensors"][len(doc["tensors"]) // 2]
+    if damage == "truncate":
+        victim = doc["tensors"][-1]
+        with open(fmt.data_path(bad, 0), "r+b") as f:
+            f.truncate(victim["offset"] + 1)
+    elif damage == "dtype":
+        victim["dtype"] = "float32" if victim["dtype"] != "float32" else "float16"
+    elif damage == "shape":
+        victim["shape"] = [*victim["shape"], 1]
+    else:
+        victim["name"] += ".renamed"
+    ipath.write_text(json.dumps(doc))
+
+    name = victim["name"].removesuffix(".renamed")
+    with pytest.raises(RpcError, match=name.replace(".", r"\.")):
+        s.rpc("rekindle_reload_weights", str(bad))
+    (digest1,) = s.rpc("rekindle_weights_digest")
+    assert digest1 == digest0  # validated before a single byte was written

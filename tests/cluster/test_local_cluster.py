@@ -85,7 +85,10 @@ def test_crd_roundtrip(namespace: str) -> None:
         kubectl(
             "wait", "--for=condition=Established", "crd/widgets.smoke.rekindle.dev", "--timeout=60s"
         )
-        obj = "apiVersion: smoke.rekindle.dev/v1\nkind: Widget\nmetadata: {name: w1}\nspec: {size: 3}\n"
+        obj = (
+            "apiVersion: smoke.rekindle.dev/v1\nkind: Widget\n"
+            "metadata: {name: w1}\nspec: {size: 3}\n"
+        )
         kubectl("apply", "-n", namespace, "-f", "-", input=obj)
         assert kubectl_json("get", "-n", namespace, "widget", "w1")["spec"] == {"size": 3}
         bad = obj.replace("size: 3", "size: 0")

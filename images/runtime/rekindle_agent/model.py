@@ -20,13 +20,14 @@ CHAT_TEMPLATE = (
 )
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
 
-_WORDS = (
+_WORDS_TEXT = (
     "cold start checkpoint restore kernel page cache memory process thread weight tensor "
     "model token prompt server cluster node pod container image layer shared vector matrix "
     "the a of to and in is it that for on with as was by at be this from or have an they "
     "which one you were all we when there can more if out so what up about into than time "
     "river mountain light stone garden winter summer ocean forest city road bridge window"
-).split()
+)
+_WORDS = _WORDS_TEXT.split()
 
 
 @dataclass(frozen=True)

@@ -213,9 +213,11 @@ def transitions(old: Body, new: Body) -> list[tuple[str, str, str]]:
     for c in new.get("conditions") or []:
         prev = old_c.get(c["type"])
         if prev is None or prev.get("status") != c["status"] or prev.get("reason") != c["reason"]:
-            kind = "Normal" if c["status"] == "True" else "Warning"
-            if c["type"] == COND_READY and c["reason"] == "ScaledToZero":
-                kind = "Normal"
+            # Not-yet-true at first sight (no replica ready yet, no checkpoint yet)
+            # is the normal start, not a warning; a real problem always is one.
+            expected = prev is None and c["type"] != COND_SHM_SIZED
+            ok = c["status"] == "True" or expected or c["reason"] == "ScaledToZero"
+            kind = "Normal" if ok else "Warning"
             events.append((kind, f"{c['type']}{c['reason']}", str(c["message"])[:1000]))
     return events
 

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ def test_checksums_match_hashlib(tmp_path: Path) -> None:
         data = (root / e["path"]).read_bytes()
         assert e["size"] == len(data)
         assert e["sha256"] == hashlib.sha256(data).hexdigest()
+        assert e.get("crc32") == f"{zlib.crc32(data):08x}"
 
 
 def test_write_read_and_verified_marker(tmp_path: Path) -> None:
@@ -77,17 +79,19 @@ def test_read_reasons(tmp_path: Path) -> None:
     assert e.value.reason == "manifest_invalid"
 
 
-def test_size_check_and_prefetch_hash_catch_damage(tmp_path: Path) -> None:
+@pytest.mark.parametrize("algo", ["crc32", "sha256"])
+def test_size_check_and_prefetch_hash_catch_damage(tmp_path: Path, algo: str) -> None:
     root, entries = _ckpt(tmp_path)
     manifest.check_sizes(root, entries)
-    assert prefetch.Prefetcher(root, entries, threads=2).result().bad == []
+    assert prefetch.Prefetcher(root, entries, threads=2, verify=algo).result().bad == []
     pages = root / "images" / "pages-1.img"
     data = bytearray(pages.read_bytes())
     data[5000] ^= 0xFF  # same size, different content
     pages.write_bytes(bytes(data))
     manifest.check_sizes(root, entries)  # sizes cannot see it ...
-    res = prefetch.Prefetcher(root, entries, threads=2).result()
-    assert res.bad == ["images/pages-1.img: sha256 differs from the manifest"]  # ... hashes do
+    res = prefetch.Prefetcher(root, entries, threads=2, verify=algo).result()
+    assert res.bad == [f"images/pages-1.img: {algo} differs from the manifest"]  # ... hashes do
+    assert prefetch.Prefetcher(root, entries, threads=2, verify="size").result().bad == []
     assert res.bytes_read == sum(e["size"] for e in entries)
     (root / "images" / "core-1.img").unlink()
     with pytest.raises(manifest.ManifestError) as e:

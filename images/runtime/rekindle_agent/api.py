@@ -22,7 +22,7 @@ import json
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal, NotRequired, TypedDict
 
 SERVE_PORT = 8000
 ADMIN_PORT = 8081
@@ -75,6 +75,7 @@ class FileEntry(TypedDict):
     path: str  # relative to the checkpoint directory
     size: int
     sha256: str
+    crc32: NotRequired[str]  # 8 hex digits; the fast check a restore uses by default
 
 
 class Manifest(TypedDict, total=False):

@@ -43,7 +43,7 @@ class AgentConfig:
     mmap_restore: str = "auto"  # auto | on | off
     prefetch: bool = True
     prefetch_threads: int = 8
-    verify_checksums: str = "full"  # full | size
+    verify_checksums: str = "crc32"  # crc32 | sha256 | size
     drain_timeout: float = 30.0
     boot_timeout: float = 900.0
     restore_timeout: float = 300.0
@@ -60,8 +60,10 @@ class AgentConfig:
             )
         if self.mmap_restore not in ("auto", "on", "off"):
             raise ConfigError(f"--mmap-restore {self.mmap_restore!r}: use auto, on or off")
-        if self.verify_checksums not in ("full", "size"):
-            raise ConfigError(f"--verify-checksums {self.verify_checksums!r}: use full or size")
+        if self.verify_checksums not in ("crc32", "sha256", "size"):
+            raise ConfigError(
+                f"--verify-checksums {self.verify_checksums!r}: use crc32, sha256 or size"
+            )
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"--device {self.device!r}: use cpu or cuda")
         ports = {self.serve_port, self.admin_port, self.vllm_port}
@@ -137,7 +139,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--prefetch", dest="prefetch", action="store_true", default=None)
     a("--no-prefetch", dest="prefetch", action="store_false")
     a("--prefetch-threads", type=int)
-    a("--verify-checksums", choices=["full", "size"])
+    a("--verify-checksums", choices=["crc32", "sha256", "size"])
     a("--drain-timeout", type=float, help="seconds to wait for in-flight requests")
     a("--boot-timeout", type=float)
     a("--restore-timeout", type=float)

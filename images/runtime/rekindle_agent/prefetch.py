@@ -12,6 +12,7 @@ import hashlib
 import os
 import threading
 import time
+import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +29,21 @@ class PrefetchResult:
     bad: list[str] = field(default_factory=list)  # "path: reason"
 
 
-def _read_file(path: Path, expect: str | None, chunk: int) -> tuple[int, str | None]:
+def expected(entry: api.FileEntry, verify: str) -> tuple[str, str] | None:
+    """(algorithm, digest) to check entry against, or None for no content check.
+
+    crc32 is the default at restore: it catches damaged or truncated images at
+    2-3x the speed of sha256, and sha256 would add no security here, since
+    whoever can rewrite the images can rewrite the manifest next to them.
+    """
+    if verify == "size":
+        return None
+    if verify == "crc32" and "crc32" in entry:
+        return "crc32", entry["crc32"]
+    return "sha256", entry["sha256"]
+
+
+def _read_file(path: Path, check: tuple[str, str] | None, chunk: int) -> tuple[int, str | None]:
     """Read path once (WILLNEED first); return (bytes, problem or None)."""
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -37,7 +52,9 @@ def _read_file(path: Path, expect: str | None, chunk: int) -> tuple[int, str | N
     try:
         size = os.fstat(fd).st_size
         os.posix_fadvise(fd, 0, size, os.POSIX_FADV_WILLNEED)
-        h = hashlib.sha256() if expect else None
+        algo = check[0] if check else None
+        h = hashlib.sha256() if algo == "sha256" else None
+        crc = 0
         buf = bytearray(chunk)
         view = memoryview(buf)
         total = 0
@@ -47,11 +64,16 @@ def _read_file(path: Path, expect: str | None, chunk: int) -> tuple[int, str | N
                 break
             if h is not None:
                 h.update(view[:n])
+            elif algo == "crc32":
+                crc = zlib.crc32(view[:n], crc)
             total += n
     finally:
         os.close(fd)
-    if h is not None and h.hexdigest() != expect:
-        return total, "sha256 differs from the manifest"
+    if check is None:
+        return total, None
+    got = h.hexdigest() if h is not None else f"{crc:08x}"
+    if got != check[1]:
+        return total, f"{check[0]} differs from the manifest"
     return total, None
 
 
@@ -63,7 +85,7 @@ class Prefetcher:
         root: Path,
         files: list[api.FileEntry],
         threads: int = 8,
-        verify: bool = True,
+        verify: str = "crc32",
         chunk: int = CHUNK,
     ) -> None:
         self._t0 = time.monotonic()
@@ -73,9 +95,7 @@ class Prefetcher:
         self._futures: list[tuple[str, Future[tuple[int, str | None]]]] = [
             (
                 f["path"],
-                self._pool.submit(
-                    _read_file, root / f["path"], f["sha256"] if verify else None, chunk
-                ),
+                self._pool.submit(_read_file, root / f["path"], expected(f, verify), chunk),
             )
             for f in order
         ]

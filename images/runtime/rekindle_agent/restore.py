@@ -79,7 +79,7 @@ def restore(agent: Agent, ckpt: Path, *, require_verified: bool, mmap: bool) -> 
     except manifest.ManifestError as e:
         raise RestoreError(e.reason, str(e)) from e
     files = man["files"]
-    verify = cfg.verify_checksums == "full"
+    verify = cfg.verify_checksums
     pre: prefetch.Prefetcher | None = None
     if cfg.prefetch:
         pre = prefetch.Prefetcher(ckpt, files, threads=cfg.prefetch_threads, verify=verify)
@@ -101,9 +101,13 @@ def restore(agent: Agent, ckpt: Path, *, require_verified: bool, mmap: bool) -> 
         except manifest.ManifestError as e:
             raise RestoreError(e.reason, str(e)) from e
         t = mark("validate", t)
-        if pre is None and verify:
+        if pre is None and verify != "size":
             # Without the overlap the check runs up front (and warms the cache as it reads).
-            bad = prefetch.Prefetcher(ckpt, files, threads=cfg.prefetch_threads).result().bad
+            bad = (
+                prefetch.Prefetcher(ckpt, files, threads=cfg.prefetch_threads, verify=verify)
+                .result()
+                .bad
+            )
             if bad:
                 raise RestoreError("checksum_mismatch", "; ".join(bad[:5]))
             t = mark("checksums", t)

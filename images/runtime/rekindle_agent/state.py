@@ -11,7 +11,7 @@ from rekindle_agent import api
 
 # Allowed transitions; anything else is a bug in the agent, not a user error.
 TRANSITIONS: dict[str, set[str]] = {
-    "Booting": {"Ready", "Failed", "Booting"},
+    "Booting": {"Ready", "Failed", "Booting", "Restoring"},  # Booting is also the start state
     "Restoring": {"Ready", "Booting", "Failed"},
     "Ready": {"Draining", "Failed", "Booting"},
     "Draining": {"Checkpointing", "Ready", "Failed"},

@@ -113,11 +113,8 @@ def test_scale_subresource(namespace: str) -> None:
         "-p",
         json.dumps({"status": {"replicas": 2, "selector": b.selector_string("tiny")}}),
     )
-    scale = kubectl_json(
-        "get",
-        "--raw",
-        f"/apis/rekindle.dev/v1alpha1/namespaces/{namespace}/inferenceservices/tiny/scale",
-    )
+    path = f"/apis/rekindle.dev/v1alpha1/namespaces/{namespace}/inferenceservices/tiny/scale"
+    scale = json.loads(kubectl("get", "--raw", path).stdout)
     assert scale["spec"]["replicas"] == 3 and scale["status"]["replicas"] == 2
     assert scale["status"]["selector"] == "rekindle.dev/inferenceservice=tiny"
 

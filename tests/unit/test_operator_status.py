@@ -120,3 +120,15 @@ def test_transitions_emit_events_once() -> None:
     reasons = [r for _, r, _ in ev]
     assert "PhaseReady" in reasons and "ReadyReplicasReady" in reasons
     assert transitions(new, compute_status(new, obs(replicas=1, ready=1))) == []
+
+
+def test_event_kinds_first_sight_is_normal_but_shm_shortfall_warns() -> None:
+    first = compute_status({}, obs(replicas=1, ready=0))
+    kinds = {r: k for k, r, _ in transitions({}, first)}
+    assert kinds["ReadyNoReadyReplica"] == "Normal"
+    lost = compute_status(compute_status({}, obs(ready=1)), obs(ready=0))
+    assert ("Warning", "ReadyNoReadyReplica") in [
+        (k, r) for k, r, _ in transitions(compute_status({}, obs(ready=1)), lost)
+    ]
+    bad = compute_status({}, obs(shm_error="too small"))
+    assert ("Warning", "SharedMemorySizedBelowNeed") in [(k, r) for k, r, _ in transitions({}, bad)]

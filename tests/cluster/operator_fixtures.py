@@ -161,21 +161,6 @@ def require_runtime_image() -> None:
     """The lead's scripts load the runtime image into the node; say how if it is missing."""
     out = subprocess.run(
         [
-            "crictl",
-            "--runtime-endpoint",
-            "unix:///run/rekindle-cluster/containerd/containerd.sock",
-            "images",
-            "-o",
-            "json",
-        ],
-        capture_output=True,
-        text=True,
-        env=ENV,
-    )
-    if out.returncode == 0 and RUNTIME_IMAGE.split(":")[0] in out.stdout:
-        return
-    ctr = subprocess.run(
-        [
             "ctr",
             "--address",
             "/run/rekindle-cluster/containerd/containerd.sock",
@@ -189,12 +174,11 @@ def require_runtime_image() -> None:
         text=True,
         env=ENV,
     )
-    if RUNTIME_IMAGE in ctr.stdout or f"docker.io/{RUNTIME_IMAGE}" in ctr.stdout:
-        return
-    pytest.fail(
-        f"{RUNTIME_IMAGE} is not loaded into the node: run "
-        "`scripts/local-cluster load-image $(scripts/build-image runtime-cpu)`"
-    )
+    if RUNTIME_IMAGE not in out.stdout.split():
+        pytest.fail(
+            f"{RUNTIME_IMAGE} is not loaded into the node ({out.stderr.strip()}): run "
+            "`scripts/local-cluster load-image $(scripts/build-image runtime-cpu)`"
+        )
 
 
 def wait_status(

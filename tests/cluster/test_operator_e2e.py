@@ -124,9 +124,9 @@ def test_pod_has_computed_dev_shm_and_vllm_shm_flags(
     limit = pod["spec"]["containers"][0]["resources"]["limits"]["memory"]
     assert to_bytes(limit) == to_bytes(spec.memory) + need
     ps = kubectl("exec", "-n", op_namespace, name, "--", "ps", "-eo", "args").stdout
-    (cmdline,) = [line for line in ps.splitlines() if "vllm.entrypoints.openai.api_server" in line][
-        :1
-    ]
+    lines = [line for line in ps.splitlines() if "vllm.entrypoints.openai.api_server" in line]
+    assert lines, f"no vLLM API server process in the pod:\n{ps}"
+    cmdline = lines[0]
     assert "--mm-processor-cache-type shm" in cmdline
     assert "--mm-processor-cache-gb 0.5" in cmdline
     assert "--mm-shm-cache-max-object-size-mb 64" in cmdline

@@ -136,6 +136,9 @@ class Kube:
 
     def create_if_absent(self, obj: Mapping[str, Any]) -> bool:
         """Create obj unless it exists; True if created (for one-time values like tokens)."""
+        meta = obj["metadata"]
+        if self.get(obj["kind"], meta["namespace"], meta["name"]) is not None:
+            return False  # the common case on every reconcile: no write at all
         try:
             self.create(obj)
             return True

@@ -137,10 +137,12 @@ def reconcile(kube: Kube, body: Body, emit: Emit, ask: AgentAsk = ask_agent) -> 
     shm_error = b.shm_shortfall(spec, need)
     shm_bytes = b.effective_shm_bytes(spec, need)
     checkpoints = checkpoints_of(kube, spec.namespace)
-    if shm_error is None:
-        ensure_objects(kube, body, spec, shm_bytes)
     mark_stale(kube, spec, checkpoints, emit)
-    in_use = update_pointer(kube, body, spec, checkpoints) if shm_error is None else None
+    in_use = None
+    if shm_error is None:
+        # The pointer first: a pod the Deployment change starts must see it.
+        in_use = update_pointer(kube, body, spec, checkpoints)
+        ensure_objects(kube, body, spec, shm_bytes)
     deployment = kube.get("Deployment", spec.namespace, b.deployment_name(spec.name))
     pods = observe_pods(kube, spec, ask) if deployment else ()
     obs = Observed(

@@ -7,7 +7,6 @@ from pathlib import Path
 
 from aiohttp import ClientSession, web
 from aiohttp.test_utils import TestServer
-
 from rekindle_agent import api
 from rekindle_agent.agent import Agent
 from rekindle_agent.config import AgentConfig

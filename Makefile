@@ -58,8 +58,10 @@ cluster-down: ## stop it (only what cluster-up started)
 cluster-status: ## components, node state, kubeconfig path
 	scripts/local-cluster status
 
-images: cluster-up ## build the local images and load them into the node
-	scripts/local-cluster load-image "$$(scripts/build-image smoke)"
+images: cluster-up ## build the local images (smoke, runtime-cpu, operator) and load them into the node
+	for image in smoke runtime-cpu operator; do
+		scripts/local-cluster load-image "$$(scripts/build-image $$image)"
+	done
 
 demo: env cluster-up images ## the main job, end to end, on the local cluster
 	scripts/demo

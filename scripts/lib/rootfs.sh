@@ -1,0 +1,66 @@
+# Root filesystems for Rekindle's images, made without a registry: a Debian
+# base from debootstrap and Python envs pip-installed inside a chroot of it, so
+# the env's interpreter is the image's own python3. Source after common.sh.
+
+ROOTFS_SUITE=${ROOTFS_SUITE:-bookworm}
+
+# debian_base KEYDIR_PREFIX PKG...: a cached minbase rootfs with PKGs; prints its path.
+debian_base() {
+	local prefix=$1 key dir mirror
+	shift
+	key=$(printf '%s\n' "$ROOTFS_SUITE" "$@" | sha256sum | cut -c1-12)
+	dir=$prefix-$key
+	if [ ! -f "$dir.done" ]; then
+		apt_install debootstrap
+		log "debootstrap $ROOTFS_SUITE into $dir (first time only)"
+		rm -rf "$dir"
+		mirror=$(sed -n 's/^URIs: *\(http[^ ]*debian\/*\)$/\1/p; s/^deb \(http[^ ]*debian\/*\) .*/\1/p' \
+			/etc/apt/sources.list.d/*.sources /etc/apt/sources.list 2>/dev/null | head -1)
+		[ -n "$mirror" ] || die "no Debian mirror found in /etc/apt sources; debootstrap needs one"
+		debootstrap --variant=minbase --include="$(
+			IFS=,
+			echo "$*"
+		)" "$ROOTFS_SUITE" "$dir" "$mirror" >&2
+		rm -rf "$dir"/var/cache/apt/archives/*.deb "$dir"/var/lib/apt/lists/*
+		touch "$dir.done"
+	fi
+	echo "$dir"
+}
+
+# chroot_venv BASE OUTDIR VENV_PATH SCRIPT: run SCRIPT (sh) in a throwaway copy of
+# BASE after creating a venv at VENV_PATH, then keep only the venv as OUTDIR/venv.
+# pip's cache is shared with the host; pip trusts the build host's CA bundle.
+chroot_venv() {
+	local base=$1 out=$2 venv_path=$3 script=$4 root rc=0
+	[ -f "$out.done" ] && return 0
+	root=$out.chroot
+	rm -rf "$root" "$out"
+	cp -a "$base" "$root"
+	mkdir -p "$root/root/.cache/pip" "$HOME/.cache/pip" "$root/src"
+	cp /etc/resolv.conf "$root/etc/resolv.conf"
+	cp "${PIP_CERT:-/etc/ssl/certs/ca-certificates.crt}" "$root/tmp/build-host-ca.crt"
+	mount --bind /proc "$root/proc"
+	mount --bind "$HOME/.cache/pip" "$root/root/.cache/pip"
+	chroot "$root" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root \
+		PIP_CERT=/tmp/build-host-ca.crt PIP_DEFAULT_TIMEOUT=180 PIP_DISABLE_PIP_VERSION_CHECK=1 \
+		/bin/sh -ec "python3 -m venv $venv_path; $script" >&2 || rc=$?
+	umount "$root/root/.cache/pip" "$root/proc"
+	[ $rc = 0 ] || die "pip install inside the image's root filesystem failed (see above)"
+	mkdir -p "$out"
+	mv "$root$venv_path" "$out/venv"
+	find "$out/venv" -name __pycache__ -prune -exec rm -rf {} +
+	rm -rf "$root"
+	touch "$out.done"
+}
+
+# project_deps [EXTRA...]: the project's dependencies (and extras') from pyproject.toml, shell-quoted.
+project_deps() {
+	python3 - "$REKINDLE_ROOT/pyproject.toml" "$@" <<'PY'
+import shlex, sys, tomllib
+p = tomllib.load(open(sys.argv[1], "rb"))["project"]
+deps = list(p["dependencies"])
+for extra in sys.argv[2:]:
+    deps += p["optional-dependencies"][extra]
+print(" ".join(shlex.quote(d) for d in deps))
+PY
+}

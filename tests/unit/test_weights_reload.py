@@ -17,6 +17,7 @@ from rekindle_agent.weights.reload import (  # noqa: E402
     HostCopyEngine,
     ReloadOptions,
     plan_chunks,
+    release_staging_buffers,
     reload_tensors,
     run_threads,
     verify_file,
@@ -351,3 +352,25 @@ def test_copy_failure_in_one_reader_is_raised_after_in_flight_copies_finish(
     with pytest.raises(RuntimeError, match="copy engine broke"):
         reload_tensors(d, _blank(src), options=ReloadOptions(threads=2, staged=True), engine=engine)
     assert engine.finished
+
+
+def test_staging_buffers_are_kept_for_the_next_reload_until_released(
+    dumped: tuple[Path, dict[str, torch.Tensor]],
+) -> None:
+    d, src = dumped
+    release_staging_buffers()
+    allocs: list[int] = []
+
+    class Counting(HostCopyEngine):
+        def alloc(self, nbytes: int) -> torch.Tensor:
+            allocs.append(nbytes)
+            return super().alloc(nbytes)
+
+    opts = ReloadOptions(threads=2, buffers=3, chunk_bytes=BLOCK, staged=True)
+    reload_tensors(d, _blank(src), options=opts, engine=Counting())
+    first = len(allocs)
+    assert 1 <= first <= 3
+    reload_tensors(d, _blank(src), options=opts, engine=Counting())
+    assert len(allocs) == first  # the second reload reused them
+    assert release_staging_buffers() >= first * BLOCK
+    assert release_staging_buffers() == 0

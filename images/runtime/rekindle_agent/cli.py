@@ -32,8 +32,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rekindle", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     from rekindle_agent import agent_cli
+    from rekindle_agent.weights.bench import add_bench_weights
 
-    adders: list[Callable[[argparse._SubParsersAction], None]] = [_add_model, *agent_cli.ADDERS]
+    adders: list[Callable[[argparse._SubParsersAction], None]] = [
+        _add_model,
+        *agent_cli.ADDERS,
+        add_bench_weights,
+    ]
     for add in adders:
         add(sub)
     return parser

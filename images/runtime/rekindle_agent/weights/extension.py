@@ -49,7 +49,12 @@ from typing import TYPE_CHECKING, Any
 
 from rekindle_agent.weights import format as fmt
 from rekindle_agent.weights.dump import dump_tensors
-from rekindle_agent.weights.reload import ReloadOptions, load_into, validate
+from rekindle_agent.weights.reload import (
+    ReloadOptions,
+    load_into,
+    release_staging_buffers,
+    validate,
+)
 from rekindle_agent.weights.tensors import byte_tensor, host_bytes, model_tensors
 
 if TYPE_CHECKING:
@@ -252,9 +257,10 @@ class RekindleWorkerExtension:
     def rekindle_release_weights(self) -> dict[str, Any]:
         if self._rekindle_state() is not None:
             return {"rank": int(self.rank), "freed_bytes": 0, "already_released": True}
+        staging = release_staging_buffers()
         if self.device.type != "cpu":
             # GPU: /sleep?level=2 unmaps weights and KV cache (virtual addresses kept).
-            return {"rank": int(self.rank), "freed_bytes": 0, "mode": "vllm-sleep"}
+            return {"rank": int(self.rank), "freed_bytes": staging, "mode": "vllm-sleep"}
         rss0 = _rss_bytes()
         model = self._rekindle_model()
         state = _Released(cpu_layers=_drop_cpu_handlers(model))
@@ -296,6 +302,8 @@ class RekindleWorkerExtension:
             if state is not None:
                 _shrink(_storages(ordered))
             raise
+        finally:
+            release_staging_buffers()  # no pinned host memory left behind in the server
         if state is not None:
             _regrow(state.kv)
             _rebuild_cpu_handlers(state.cpu_layers)

@@ -58,7 +58,7 @@ class ReloadOptions:
     """Knobs with measured defaults (docs/weights.md); every one can be overridden."""
 
     threads: int | None = None  # None: default_threads()
-    chunk_bytes: int | None = None  # None: 8 MiB host path, 32 MiB staged path
+    chunk_bytes: int | None = None  # None: 8 MiB host path, 16 MiB staged path
     buffers: int | None = None  # pinned ring size; None: 2 per reader (double-buffered)
     verify: bool = True  # check each block's CRC-32 as it is read
     direct: bool = False  # O_DIRECT reads (staged path); falls back where unsupported
@@ -357,8 +357,22 @@ def _aligned(raw: torch.Tensor, nbytes: int) -> torch.Tensor:
 
 @dataclass
 class _Slot:
-    buf: torch.Tensor
+    buf: torch.Tensor | None = None  # allocated by the first reader that uses it
     fence: object = None
+
+
+# Staging buffers kept between reloads in one process (pinned memory is slow to
+# allocate: ~10 ms per 64 MiB); release_staging_buffers() gives them back.
+_POOL: dict[tuple[str, int], list[torch.Tensor]] = {}
+_POOL_LOCK = threading.Lock()
+
+
+def release_staging_buffers() -> int:
+    """Free the staging buffers kept for the next reload; returns their bytes."""
+    with _POOL_LOCK:
+        freed = sum(b.numel() for bufs in _POOL.values() for b in bufs)
+        _POOL.clear()
+    return int(freed)
 
 
 @dataclass
@@ -424,9 +438,13 @@ def _staged_reload(
     """Read into a ring of staging buffers and copy from there; returns whether O_DIRECT ran."""
     chunks = plan_chunks(index.tensors, chunk, pack=True)
     buf_bytes = fmt.align_up(max((c.length for c in chunks), default=fmt.ALIGN))
+    key = (type(engine).__name__, buf_bytes)
+    with _POOL_LOCK:
+        kept = _POOL.pop(key, [])
+    all_slots = [_Slot(kept.pop() if kept else None) for _ in range(max(buffers, threads))]
     slots = queue.SimpleQueue[_Slot]()
-    for _ in range(max(buffers, threads)):
-        slots.put(_Slot(_aligned(engine.alloc(buf_bytes + fmt.ALIGN), buf_bytes)))
+    for sl in all_slots:
+        slots.put(sl)
     dest_bytes = [byte_tensor(d) for d in targets.dests]
     fd, used_direct = _open(path, direct)
     try:
@@ -437,8 +455,11 @@ def _staged_reload(
             try:
                 engine.wait(slot.fence)  # the copy out of this buffer must be done
                 slot.fence = None
+                if slot.buf is None:  # allocated here, overlapping other readers' reads
+                    slot.buf = _aligned(engine.alloc(buf_bytes + fmt.ALIGN), buf_bytes)
+                buf = slot.buf
                 span = fmt.align_up(c.length) if used_direct else c.length
-                mv = host_bytes(slot.buf)[:span]
+                mv = host_bytes(buf)[:span]
                 first = index.tensors[c.pieces[0].tensor].name
                 read_exact(fd, mv, c.file_offset, f"tensor {first!r}", path)
                 for p in c.pieces:
@@ -449,7 +470,7 @@ def _staged_reload(
                             e, p.tensor_offset, mv[at : at + p.length], index.block_bytes, path
                         )
                     dst = dest_bytes[p.tensor][p.tensor_offset : p.tensor_offset + p.length]
-                    engine.copy(dst, slot.buf[at : at + p.length])
+                    engine.copy(dst, buf[at : at + p.length])
                 slot.fence = engine.record()
             finally:
                 slots.put(slot)
@@ -458,6 +479,8 @@ def _staged_reload(
             run_threads(threads, len(chunks), work, "rekindle-read")
         finally:
             engine.finish()  # never free a buffer a copy still reads
+            with _POOL_LOCK:
+                _POOL[key] = [sl.buf for sl in all_slots if sl.buf is not None]
     finally:
         os.close(fd)
     return used_direct
@@ -489,7 +512,7 @@ def load_into(
     staged = opts.staged
     if staged is None:
         staged = opts.direct or not isinstance(engine, HostCopyEngine)
-    default_chunk = 32 * MiB if staged else 8 * MiB
+    default_chunk = 16 * MiB if staged else 8 * MiB
     chunk = opts.chunk_bytes or default_chunk
     if opts.verify:
         # Pieces must start on checksum-block boundaries to be checked on their own.

@@ -1,0 +1,507 @@
+"""`rekindle bench weights`: reload throughput against the limits and loaders around it.
+
+For synthetic weight sets (default 1, 4 and 8 GiB of bf16 tensors shaped like
+a Llama's layers) and, on CPU, the tiny model served by a real vLLM, with a
+warm and a cold page cache (`echo 3 > /proc/sys/vm/drop_caches`), it times:
+
+  pagecache        reading the dump file itself into reused buffers, best of 1
+                   and N threads: the physical limit of any file-based reload
+  h2d_pinned       (cuda) pinned host-to-device copies: the other limit
+  rekindle         reload_tensors into the existing tensors (verify off)
+  rekindle_verify  the same with every block's CRC-32 checked
+  rekindle_fresh   (cpu) after release: storages shrunk to 0 and re-grown
+                   (fresh memory, page faults included), as a restored worker does
+  vllm_iterator    vLLM's default safetensors iterator (mmap) copying into the
+                   same tensors: what DefaultModelLoader does for plain weights
+  safetensors      safetensors.torch.load_file of the same tensors, copied into
+                   the tensors (load_file alone only maps the file lazily)
+  tiny model:      vLLM `reload_weights` vs `rekindle_reload_weights`, both
+                   timed through POST /collective_rpc on a real vLLM CPU server
+
+Each number is the median of --trials runs, all in one run of this command.
+Needs only torch (and safetensors) for the synthetic sets; vLLM for the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rekindle_agent.weights import format as fmt
+from rekindle_agent.weights.dump import dump_tensors
+from rekindle_agent.weights.reload import ReloadOptions, release_staging_buffers, reload_tensors
+
+if TYPE_CHECKING:
+    import torch
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+def log(msg: str) -> None:
+    print(f"[bench weights {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def drop_caches() -> None:
+    subprocess.run(["sync"], check=True)
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def mem_available() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+# ---------------------------------------------------------------- synthetic weights
+
+
+def layer_shapes(hidden: int = 2048, inter: int = 5632, kv: int = 256) -> list[tuple[int, ...]]:
+    """One Llama-style decoder layer (fused qkv, fused gate/up), norms included."""
+    return [
+        (hidden + 2 * kv, hidden),
+        (hidden, hidden),
+        (2 * inter, hidden),
+        (hidden, inter),
+        (hidden,),
+        (hidden,),
+    ]
+
+
+def synthetic_weights(total_bytes: int, device: str) -> dict[str, torch.Tensor]:
+    """Deterministic bf16 tensors adding up to about total_bytes (cheap to fill)."""
+    import torch
+
+    shapes = layer_shapes()
+    per_layer = sum(2 * int(torch.Size(s).numel()) for s in shapes)
+    layers = max(1, round(total_bytes / per_layer))
+    out = {}
+    for i in range(layers):
+        for j, s in enumerate(shapes):
+            t = torch.empty(s, dtype=torch.bfloat16, device=device)
+            t.view(torch.int16).fill_(i * 7 + j)  # any bytes read at the same speed
+            out[f"model.layers.{i}.w{j}"] = t
+    return out
+
+
+# ---------------------------------------------------------------- measurements
+
+
+def read_file_gbps(path: Path, threads: int, chunk: int = 8 * MiB) -> float:
+    """Page-cache (or disk) read bandwidth of path: N threads pread into reused buffers."""
+    size = path.stat().st_size
+    fd = os.open(path, os.O_RDONLY)
+    lock = threading.Lock()
+    state = {"next": 0}
+
+    def worker() -> None:
+        buf = memoryview(bytearray(chunk))
+        while True:
+            with lock:
+                off = state["next"]
+                state["next"] = off + chunk
+            if off >= size:
+                return
+            os.preadv(fd, [buf], off)
+
+    try:
+        t0 = time.perf_counter()
+        pool = [threading.Thread(target=worker) for _ in range(threads)]
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+        return size / (time.perf_counter() - t0) / 1e9
+    finally:
+        os.close(fd)
+
+
+def h2d_pinned_gbps(total: int, device: str) -> float:
+    """Pinned host-to-device copy bandwidth (the ceiling for a GPU reload)."""
+    import torch
+
+    n = min(total, GiB)
+    src = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(n, dtype=torch.uint8, device=device)
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    reps = max(1, total // n)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    return reps * n / (time.perf_counter() - t0) / 1e9
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def timed_gbps(nbytes: int, fn: Callable[[], object], device: str) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return nbytes / (time.perf_counter() - t0) / 1e9
+
+
+def vllm_iterator_load(st_path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """vLLM's default loader path for plain weights: its safetensors iterator, then copy_."""
+    from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
+
+    for name, w in safetensors_weights_iterator([str(st_path)], False):
+        tensors[name].copy_(w)
+
+
+def release_and_regrow(tensors: dict[str, torch.Tensor]) -> None:
+    """What a CPU worker's release + reload does to memory: fresh, unfaulted storages."""
+    sizes = [(t.untyped_storage(), t.untyped_storage().nbytes()) for t in tensors.values()]
+    for s, _ in sizes:
+        s.resize_(0)
+    gc.collect()
+    for s, n in sizes:
+        s.resize_(n)
+
+
+# ---------------------------------------------------------------- one weight set
+
+
+def bench_set(
+    label: str,
+    tensors: dict[str, torch.Tensor],
+    work: Path,
+    args: argparse.Namespace,
+    opts: ReloadOptions,
+) -> list[dict[str, Any]]:
+    """All methods on one weight set, warm and cold, args.trials times; one row per run."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    device = args.device
+    d = work / label
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    log(f"{label}: dumping {len(tensors)} tensors")
+    res = dump_tensors(((n, "param", t) for n, t in tensors.items()), d, 0)
+    nbytes = fmt.read_index(d, 0).data_bytes
+    log(f"{label}: dump {res.bytes / GiB:.2f} GiB in {res.seconds:.1f} s")
+    st_path = d / "model.safetensors"
+    has_vllm = device == "cpu" and not args.no_vllm and _vllm_importable()
+    save_file({n: t.cpu() for n, t in tensors.items()}, str(st_path))
+    threads = opts.resolved_threads()
+
+    def reload(o: ReloadOptions) -> float:
+        release_staging_buffers()  # each run allocates its staging ring, as a restore does
+        return reload_tensors(d, tensors, options=o).gbps
+
+    methods: dict[str, Callable[[], float]] = {
+        "pagecache": lambda: max(
+            read_file_gbps(fmt.data_path(d, 0), 1), read_file_gbps(fmt.data_path(d, 0), threads)
+        ),
+        "rekindle": lambda: reload(opts),
+        "rekindle_verify": lambda: reload(dataclasses.replace(opts, verify=True)),
+    }
+    if device == "cpu":
+
+        def fresh() -> float:
+            release_and_regrow(tensors)
+            return reload(opts)
+
+        methods["rekindle_fresh"] = fresh
+    else:
+        methods["h2d_pinned"] = lambda: h2d_pinned_gbps(nbytes, device)
+    if has_vllm:
+        import vllm.model_executor.model_loader.weight_utils  # noqa: F401 (not in the timing)
+
+        methods["vllm_iterator"] = lambda: timed_gbps(
+            nbytes, lambda: vllm_iterator_load(st_path, tensors), device
+        )
+
+    def st_load() -> float:
+        # load_file maps the file lazily: copying into the model's tensors is what
+        # makes the bytes arrive (and is what a loader does with them).
+        t0 = time.perf_counter()
+        for name, w in load_file(str(st_path), device=device).items():
+            tensors[name].copy_(w)
+        _sync(device)
+        return nbytes / (time.perf_counter() - t0) / 1e9
+
+    methods["safetensors"] = st_load
+    rows = []
+    caches = ["warm"] + ([] if args.no_cold else ["cold"])
+    for trial in range(args.trials):
+        for cache in caches:
+            for method, fn in methods.items():
+                if method == "h2d_pinned" and cache == "cold":
+                    continue
+                if cache == "warm":
+                    read_file_gbps(
+                        st_path
+                        if method in ("vllm_iterator", "safetensors")
+                        else fmt.data_path(d, 0),
+                        threads,
+                    )  # bring it into the cache
+                else:
+                    drop_caches()
+                gbps = fn()
+                rows.append(
+                    dict(
+                        set=label,
+                        method=method,
+                        cache=cache,
+                        trial=trial,
+                        bytes=nbytes,
+                        gbps=round(gbps, 3),
+                    )
+                )
+                log(f"{label} trial {trial} {cache:4s} {method:16s} {gbps:7.2f} GB/s")
+    # Prove the last reload was bit-exact (the runs above only timed it).
+    reload_tensors(d, tensors, options=ReloadOptions(verify=True))
+    shutil.rmtree(d, ignore_errors=True)
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _vllm_importable() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------- the tiny model on vLLM
+
+
+def bench_tiny_vllm(work: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """vLLM's reload_weights vs rekindle_reload_weights on a real vLLM CPU server."""
+    from rekindle_agent.model import generate_tiny_model
+    from rekindle_agent.weights.server import running_vllm
+
+    model = Path(args.model) if args.model else generate_tiny_model(work / "tiny-model")
+    dump = work / "tiny-dump"
+    shutil.rmtree(dump, ignore_errors=True)
+    rows: list[dict[str, Any]] = []
+    log("tiny: booting vLLM (CPU) with the Rekindle extension")
+    with running_vllm(model, work / "tiny-vllm.log") as s:
+        s.rpc("rekindle_dump_weights", str(dump))
+        nbytes = fmt.read_index(dump, 0).data_bytes
+        files = {"vllm_reload_weights": model, "rekindle_rpc": dump}
+        caches = ["warm"] + ([] if args.no_cold else ["cold"])
+        for trial in range(args.trials):
+            for cache in caches:
+                for method, src in files.items():
+                    if cache == "cold":
+                        drop_caches()
+                    else:
+                        for f in src.iterdir():
+                            f.read_bytes()
+                    t0 = time.perf_counter()
+                    if method == "vllm_reload_weights":
+                        s.rpc("reload_weights")
+                        inner = None
+                    else:
+                        (r,) = s.rpc("rekindle_reload_weights", str(dump), verify="false")
+                        inner = r["seconds"]
+                    wall = time.perf_counter() - t0
+                    rows.append(
+                        dict(
+                            set="tiny",
+                            method=method,
+                            cache=cache,
+                            trial=trial,
+                            bytes=nbytes,
+                            seconds=round(wall, 6),
+                            worker_seconds=inner,
+                            gbps=round(nbytes / wall / 1e9, 4),
+                        )
+                    )
+                    log(f"tiny trial {trial} {cache:4s} {method:20s} {wall * 1000:8.1f} ms")
+        s.post("/reset_prefix_cache")
+    return rows
+
+
+# ---------------------------------------------------------------- report
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["set"], r["cache"], r["method"]), []).append(r)
+    out: dict[str, Any] = {}
+    for (st, cache, method), rs in groups.items():
+        g = [r["gbps"] for r in rs]
+        entry: dict[str, Any] = {
+            "gbps_median": round(statistics.median(g), 3),
+            "gbps_min": min(g),
+            "gbps_max": max(g),
+            "trials": len(g),
+        }
+        if "seconds" in rs[0]:
+            entry["seconds_median"] = round(statistics.median(r["seconds"] for r in rs), 6)
+        out.setdefault(st, {}).setdefault(cache, {})[method] = entry
+    for caches in out.values():
+        for methods in caches.values():
+            rk = methods.get("rekindle", {}).get("gbps_median")
+            for base in ("pagecache", "h2d_pinned", "vllm_iterator", "safetensors"):
+                if rk and base in methods:
+                    methods["rekindle"][f"vs_{base}"] = round(rk / methods[base]["gbps_median"], 3)
+    return out
+
+
+def table(summary: dict[str, Any]) -> str:
+    lines = [
+        "| set | cache | method | GB/s (median) | min..max | rekindle ÷ this |",
+        "|---|---|---|---|---|---|",
+    ]
+    for st, caches in summary.items():
+        for cache, methods in caches.items():
+            rk = methods.get("rekindle", {}).get("gbps_median")
+            for m, e in methods.items():
+                ratio = f"{rk / e['gbps_median']:.2f}" if rk and m != "rekindle" else ""
+                extra = f" ({e['seconds_median'] * 1000:.1f} ms)" if "seconds_median" in e else ""
+                lines.append(
+                    f"| {st} | {cache} | {m} | {e['gbps_median']:.3f}{extra} | "
+                    f"{e['gbps_min']:.3f}..{e['gbps_max']:.3f} | {ratio} |"
+                )
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary: dict[str, Any], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    caches = sorted({c for s in summary.values() for c in s}, key=["warm", "cold"].index)
+    fig, axes = plt.subplots(1, len(caches), figsize=(7 * len(caches), 5), squeeze=False)
+    for ax, cache in zip(axes[0], caches, strict=True):
+        sets = [s for s in summary if cache in summary[s]]
+        methods = list(dict.fromkeys(m for s in sets for m in summary[s][cache]))
+        width = 0.8 / max(1, len(methods))
+        for k, m in enumerate(methods):
+            xs = [i + k * width for i, s in enumerate(sets) if m in summary[s][cache]]
+            ys = [summary[s][cache][m]["gbps_median"] for s in sets if m in summary[s][cache]]
+            ax.bar(xs, ys, width, label=m)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(sets))], sets)
+        ax.set_yscale("log")
+        ax.set_ylabel("GB/s (median; log scale)")
+        ax.set_title(f"{cache} page cache")
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.no_cold and os.geteuid() != 0:
+        log("cold runs need root (drop_caches): run as root or pass --no-cold")
+        return 2
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            log("--device cuda: CUDA is not available here")
+            return 2
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    opts = ReloadOptions(
+        threads=args.threads,
+        chunk_bytes=args.chunk_mib * MiB if args.chunk_mib else None,
+        buffers=args.buffers,
+        verify=False,
+        direct=args.direct,
+    )
+    rows: list[dict[str, Any]] = []
+    for gib in [float(x) for x in args.sizes.split(",") if x]:
+        need = gib * GiB * 1.2 + GiB
+        if mem_available() < need:
+            log(f"{gib:g} GiB: skipped, {mem_available() / GiB:.1f} GiB available")
+            continue
+        log(f"{gib:g} GiB: building synthetic weights on {args.device}")
+        tensors = synthetic_weights(int(gib * GiB), args.device)
+        rows += bench_set(f"{gib:g}GiB", tensors, work, args, opts)
+        del tensors
+        gc.collect()
+    if args.device == "cpu" and not args.no_vllm and _vllm_importable():
+        rows += bench_tiny_vllm(work, args)
+    summary = summarize(rows)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    host = {
+        "node": platform.node(),
+        "kernel": platform.release(),
+        "cpus": os.cpu_count(),
+        "load_avg_at_end": os.getloadavg(),
+        "device": args.device,
+    }
+    if args.device.startswith("cuda"):
+        import torch
+
+        host["gpu"] = torch.cuda.get_device_name()
+    doc = {
+        "command": "rekindle bench weights " + " ".join(sys.argv[3:]),
+        "host": host,
+        "options": {
+            "threads": opts.resolved_threads(),
+            "chunk_bytes": opts.chunk_bytes,
+            "buffers": opts.buffers,
+            "direct": opts.direct,
+        },
+        "summary": summary,
+        "runs": rows,
+    }
+    suffix = "" if args.device == "cpu" else f"-{args.device.split(':')[0]}"
+    (out / f"results{suffix}.json").write_text(json.dumps(doc, indent=2))
+    text = table(summary)
+    (out / f"results{suffix}.md").write_text(f"`{doc['command']}` on {host}\n\n" + text)
+    plot(
+        summary,
+        out / f"results{suffix}.png",
+        f"rekindle bench weights ({args.device}, "
+        f"{host.get('gpu', platform.node())}, {os.cpu_count()} CPUs)",
+    )
+    print(text)
+    return 0
+
+
+def add_bench_weights(sub: argparse._SubParsersAction) -> None:
+    """Add `weights` under `rekindle bench` (creating `bench` if no one else did)."""
+    bench = sub.choices.get("bench")
+    if bench is None:
+        bench = sub.add_parser("bench", help="benchmarks")
+        bench.add_subparsers(dest="bench_cmd", required=True)
+    bsub = next(a for a in bench._actions if isinstance(a, argparse._SubParsersAction))
+    p = bsub.add_parser("weights", help="weight reload throughput vs page cache and loaders")
+    p.add_argument("--sizes", default="1,4,8", help="synthetic weight sets, GiB, comma-separated")
+    p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (cuda needs only torch)")
+    p.add_argument("--threads", type=int, default=None, help="reader threads (default: auto)")
+    p.add_argument("--chunk-mib", type=int, default=None, help="read size per chunk")
+    p.add_argument("--buffers", type=int, default=None, help="pinned ring size (staged path)")
+    p.add_argument("--direct", action="store_true", help="O_DIRECT reads (staged path)")
+    p.add_argument("--no-cold", action="store_true", help="skip cold page-cache runs")
+    p.add_argument("--no-vllm", action="store_true", help="skip the vLLM baselines")
+    p.add_argument("--model", default=None, help="model dir for the vLLM part (default: tiny)")
+    p.add_argument("--work", default="/var/tmp/rekindle-bench-weights", help="scratch, on disk")
+    p.add_argument("--out", default="docs/bench/weights")
+    p.set_defaults(func=run)

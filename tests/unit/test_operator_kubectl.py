@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 from rekindle_operator import bench
 from rekindle_operator.kubectl_plugin import (
@@ -107,3 +110,16 @@ def test_bench_summary_and_table() -> None:
     text = bench.table(s)
     assert "speedup" in text and f"{32.0 / 4.5:.1f}x" in text
     assert "p25" in bench.summarize([1.0, 2.0, 3.0, 4.0])
+
+
+def test_bench_writes_json_and_png(tmp_path: Path) -> None:
+    trials = [
+        bench.Trial("naive", 0, 30.0, 31.0, "booted", ""),
+        bench.Trial("restore", 0, 3.0, 3.5, "restored", ""),
+    ]
+    bench.write_json(tmp_path / "r.json", trials, {"command": "kubectl rekindle bench tiny"})
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["summary"]["restore"]["first_token_s"]["median"] == 3.5
+    assert [t["origin"] for t in doc["trials"]] == ["booted", "restored"]
+    bench.plot(trials, tmp_path / "r.png", "t")
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

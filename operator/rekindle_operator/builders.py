@@ -237,9 +237,14 @@ def build_pod_template(spec: IsvcSpec, shm_bytes: int, fingerprint: str) -> Obj:
             "failureThreshold": 6,
         },
         "resources": _resources(spec, shm_bytes),
-        # CRIU dumps and restores a process tree: it needs ptrace, namespaces
-        # and /proc/sys writes that only a privileged container has.
-        "securityContext": {"privileged": True},
+        # CRIU dumps and restores a process tree: it needs ptrace, namespaces,
+        # TCP repair and /proc/sys writes that only a privileged container has,
+        # and no seccomp/AppArmor confinement (the agent confines vLLM itself).
+        "securityContext": {
+            "privileged": True,
+            "seccompProfile": {"type": "Unconfined"},
+            "appArmorProfile": {"type": "Unconfined"},
+        },
         "volumeMounts": [
             {"name": "dshm", "mountPath": "/dev/shm"},
             {"name": "agent-token", "mountPath": ac.TOKEN_MOUNT_DIR, "readOnly": True},

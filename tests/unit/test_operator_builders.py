@@ -171,3 +171,9 @@ def test_cleanup_job_only_below_checkpoint_mount() -> None:
     for bad in ("/etc", f"{ac.CHECKPOINT_MOUNT}/../x", ac.CHECKPOINT_MOUNT):
         with pytest.raises(ValueError, match="refusing"):
             b.build_cleanup_job("ns", "c1", bad, vol, s.image)
+
+
+def test_container_can_run_criu() -> None:
+    sc = container(deployment(tiny()))["securityContext"]
+    assert sc["privileged"] is True
+    assert sc["seccompProfile"] == {"type": "Unconfined"}

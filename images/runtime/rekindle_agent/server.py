@@ -165,12 +165,15 @@ async def post_checkpoint(request: web.Request) -> web.Response:
         target = checkpoint.check_target(str(data.get("dir", "")), agent.cfg.checkpoint_root)
     except (ValueError, json.JSONDecodeError, AttributeError) as e:
         return web.json_response({"error": f"bad request: {e}"}, status=400)
-    if agent.status.restored_with_mmap:
+    if agent.status.restored_with_mmap and not agent.criu_info().mmap_restore:
+        # Only the patched CRIU (the one that has --mmap-restore) dumps memory that is
+        # still mapped from the old pages image as the anonymous memory it stands for.
         return web.json_response(
             {
                 "error": "this vLLM was restored with the mmap restore and still maps "
-                f"{agent.status.checkpoint}: a new dump would reference that image. "
-                "Checkpoint a pod whose status has restored_with_mmap=false"
+                f"{agent.status.checkpoint}; {agent.cfg.criu} cannot dump such memory "
+                "as its own. Use the patched CRIU or checkpoint a pod with "
+                "restored_with_mmap=false"
             },
             status=409,
         )

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from rekindle_agent import criu
 
 from tests.vllm.conftest import (
     PROMPTS,
@@ -117,17 +118,49 @@ def test_no_request_lost_during_checkpoint(shared: Shared) -> None:
 
 
 def test_restore_in_new_namespace_twice(shared: Shared, agent_factory: AgentFactory) -> None:
-    for attempt in range(2):
-        agent = agent_factory.start("--checkpoint", str(shared.ckpt), name=f"restore{attempt}")
+    """Twice from one checkpoint: the mmap restore (if this CRIU has it), then the copying one."""
+    has_mmap = criu.probe(str(agent_factory.criu)).mmap_restore
+    variants = [("--mmap-restore", "auto"), ("--mmap-restore", "off", "--no-prefetch")]
+    for attempt, extra in enumerate(variants):
+        agent = agent_factory.start(
+            "--checkpoint", str(shared.ckpt), *extra, name=f"restore{attempt}"
+        )
         try:
             st = agent.wait_ready(300)
             assert st.origin == "restored", (st.raw, agent.tail(100))
             assert st.last_fallback is None
+            assert st.raw["restored_with_mmap"] == (has_mmap and attempt == 0)
             assert completions(agent) == shared.before
             restore = st.timings["restore"]
             assert restore["criu_restore"] > 0 and restore["total"] > 0
         finally:
             agent.stop()
+
+
+def test_checkpoint_of_a_restored_server(shared: Shared, agent_factory: AgentFactory) -> None:
+    """A restored (mmap-restored, with the patched CRIU) vLLM checkpoints again, self-contained."""
+    agent = agent_factory.start("--checkpoint", str(shared.ckpt), name="redump")
+    second = agent_factory.checkpoints / "c2"
+    try:
+        agent.wait_ready(300)
+        man = agent.client.checkpoint(str(second), timeout=900)
+        assert man["fingerprint"] == shared.manifest["fingerprint"]
+        assert completions(agent) == shared.before
+    finally:
+        agent.stop()
+    # The new checkpoint must not lean on the first one's pages images: hide them.
+    away = shared.ckpt.with_name(shared.ckpt.name + ".away")
+    shared.ckpt.rename(away)
+    try:
+        agent = agent_factory.start("--checkpoint", str(second), name="from-redump")
+        try:
+            st = agent.wait_ready(300)
+            assert st.origin == "restored" and st.checkpoint == str(second), st.raw
+            assert completions(agent) == shared.before
+        finally:
+            agent.stop()
+    finally:
+        away.rename(shared.ckpt)
 
 
 def test_api_needs_token(shared: Shared, agent_factory: AgentFactory) -> None:

@@ -9,6 +9,7 @@ and that it fell back to reading where a file mapping would change semantics.
 import hashlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -300,10 +301,13 @@ def test_damaged_pages_image_fails_cleanly(
     assert res.returncode != 0
     log = (images / "restore.log").read_text()
     assert "Restoring FAILED" in log
+    # Stock fails too, but says only "Can't read pages data (-9)" for a missing image.
     if damage == "truncated":
-        assert "pages image is truncated" in log
+        assert "The pages image is truncated: its pagemap needs" in log, log[-2000:]
+    elif flavor.name == "patched":
+        assert f"{pages.name} is missing, but the pagemap lists pages in it" in log, log[-2000:]
     else:
-        assert f"Unable to open {pages.name}" in log, log[-2000:]
+        assert "Can't read pages data" in log, log[-2000:]
     assert not pidfile.exists()
     # No half-alive process is left behind.
     _wait_gone(proc.pid, timeout=10)
@@ -320,13 +324,13 @@ def test_whole_task_fallbacks(
     proc.start()
     images = tmp_path / "img"
     if mode == "parent-images":
-        pre = tmp_path / "pre"
-        pre.mkdir()
-        res = criu(flavor, "pre-dump", "-t", str(proc.pid), "-D", str(pre), "--track-mem",
-                   "-v4", "-o", "pre-dump.log")  # fmt: skip
-        assert res.returncode == 0, (pre / "pre-dump.log").read_text()[-3000:]
+        # Soft-dirty tracking (pre-dump --track-mem) is not available on every kernel.
+        # The restore takes the parent-images path whenever the image directory has
+        # a "parent" link to images of the same task: give it one.
         proc.mutate(gen=1)
-        dump(flavor, proc, images, "--track-mem", "--prev-images-dir", "../pre")
+        dump(flavor, proc, images)
+        shutil.copytree(images, tmp_path / "pre", symlinks=True)
+        (images / "parent").symlink_to("../pre")
         expected = "images with a parent (pre-dump): all memory is read"
         restore(flavor, proc, images)
     else:

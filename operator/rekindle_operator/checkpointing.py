@@ -109,12 +109,14 @@ def _result_status(manifest: Mapping[str, Any], started: str, how: str) -> dict[
 def _checkpointable(
     candidates: list[Body], token: str, client_for: ClientFactory
 ) -> tuple[Body | None, list[str]]:
-    """The first candidate whose agent can checkpoint now, and why others cannot.
+    """The best candidate whose agent is Ready, and why the others were passed over.
 
-    A vLLM restored with the mmap restore still maps its checkpoint's image
-    files, so its agent refuses a new dump (it would reference the old image).
+    Pods whose vLLM was not restored with the mmap restore come first: only the
+    patched CRIU can dump memory still mapped from an old image (the agent
+    answers 409 otherwise, which then fails the Checkpoint with its reason).
     """
     skipped = []
+    ready: list[tuple[bool, Body]] = []
     for pod in candidates:
         name = pod["metadata"]["name"]
         try:
@@ -122,16 +124,13 @@ def _checkpointable(
         except Exception as e:
             skipped.append(f"pod {name}: agent not answering ({e})")
             continue
-        if reply.raw.get("restored_with_mmap"):
-            skipped.append(
-                f"pod {name} was restored with the mmap restore and still maps its checkpoint: "
-                "checkpoint a pod that booted or was restored by copy"
-            )
-        elif reply.state != "Ready":
+        if reply.state != "Ready":
             skipped.append(f"pod {name}: agent is {reply.state}, not Ready")
-        else:
-            return pod, skipped
-    return None, skipped
+            continue
+        ready.append((bool(reply.raw.get("restored_with_mmap")), pod))
+    if not ready:
+        return None, skipped
+    return min(ready, key=lambda r: r[0])[1], skipped
 
 
 def run_checkpoint(
@@ -167,8 +166,6 @@ def run_checkpoint(
     timeout = int(spec.get("timeoutSeconds") or DEFAULT_TIMEOUT_S)
     token = read_token(kube, ns, isvc_name) if candidates else ""
     pod, skipped = _checkpointable(candidates, token, client_for)
-    if pod is None and skipped:
-        return _fail(kube, body, emit, "NoCheckpointablePod", "; ".join(skipped))
     if pod is None:
         age = (parse_time(now_iso()) - parse_time(meta["creationTimestamp"])).total_seconds()
         if age > timeout:
@@ -179,7 +176,8 @@ def run_checkpoint(
                 "NoReadyPod",
                 f"no ready pod of {isvc_name} within {timeout}s: scale it up and retry",
             )
-        raise Retry(f"waiting for a ready pod of {isvc_name}")
+        why = "; ".join(skipped) or "none is ready"
+        raise Retry(f"waiting for a pod of {isvc_name} to checkpoint: {why}")
 
     pod_name = pod["metadata"]["name"]
     path = b.checkpoint_path(isvc_name, meta["name"], meta["uid"])

@@ -224,16 +224,40 @@ def test_agent_failure_fails_checkpoint_and_pod_serves() -> None:
     assert kube.get("ConfigMap", NS, "tiny-rekindle") is None
 
 
-def test_mmap_restored_pod_is_not_checkpointed() -> None:
+def test_pod_not_mmap_restored_is_preferred() -> None:
     kube, events = world()
-    agent = FakeAgent(
-        manifest=MANIFEST, statuses=[FakeStatus("Ready", {"restored_with_mmap": True})]
+    kube.put(
+        {
+            "kind": "Pod",
+            "metadata": {
+                "name": "tiny-old-mmap",
+                "namespace": NS,
+                "creationTimestamp": "2020-01-01T00:00:00Z",
+                "labels": {"rekindle.dev/inferenceservice": "tiny", "rekindle.dev/serving": "true"},
+            },
+            "status": {"podIP": "10.244.0.7", "conditions": [{"type": "Ready", "status": "True"}]},
+        }
     )
+
+    class PerPod(FakeAgent):
+        def __call__(self, url: str, token: str) -> FakeAgent:
+            mmap = url.startswith("http://10.244.0.7:")
+            self.statuses = [FakeStatus("Ready", {"restored_with_mmap": mmap})]
+            return super().__call__(url, token)
+
+    agent = PerPod(manifest=MANIFEST)
     cp.run_checkpoint(kube, new_ckpt(kube), lambda *e: events.append(e), client_for=agent)
     st = kube.get("Checkpoint", NS, "c1")["status"]  # type: ignore[index]
-    assert st["phase"] == "Failed" and st["reason"] == "NoCheckpointablePod"
-    assert "mmap restore" in st["message"]
-    assert agent.checkpoints == []
+    assert st["phase"] == "Ready" and st["pod"] == "tiny-abc"
+
+
+def test_busy_agents_mean_retry() -> None:
+    kube, events = world()
+    agent = FakeAgent(statuses=[FakeStatus("Checkpointing", {})])
+    body = new_ckpt(kube)
+    body["metadata"]["creationTimestamp"] = "2999-01-01T00:00:00Z"
+    with pytest.raises(cp.Retry, match="Checkpointing"):
+        cp.run_checkpoint(kube, body, lambda *e: events.append(e), client_for=agent)
 
 
 def test_missing_inference_service_fails_at_once() -> None:

@@ -26,6 +26,7 @@ from tests.cluster.kube import ENV, REPO, kubectl, kubectl_json, wait_until
 
 CRDS = REPO / "charts" / "rekindle" / "crds"
 RUNTIME_IMAGE = "rekindle.local/runtime-cpu:dev"
+OPERATOR_IMAGE = "rekindle.local/operator:dev"
 PYTHONPATH = os.pathsep.join([str(REPO / "operator"), str(REPO / "images" / "runtime")])
 
 
@@ -157,8 +158,8 @@ def run_plugin(
     )
 
 
-def require_runtime_image() -> None:
-    """The lead's scripts load the runtime image into the node; say how if it is missing."""
+def require_image(image: str = RUNTIME_IMAGE, build: str = "runtime-cpu") -> None:
+    """`make images` loads the local images into the node; say how if one is missing."""
     out = subprocess.run(
         [
             "ctr",
@@ -174,11 +175,15 @@ def require_runtime_image() -> None:
         text=True,
         env=ENV,
     )
-    if RUNTIME_IMAGE not in out.stdout.split():
+    if image not in out.stdout.split():
         pytest.fail(
-            f"{RUNTIME_IMAGE} is not loaded into the node ({out.stderr.strip()}): run "
-            "`scripts/local-cluster load-image $(scripts/build-image runtime-cpu)`"
+            f"{image} is not loaded into the node ({out.stderr.strip()}): run "
+            f"`scripts/local-cluster load-image $(scripts/build-image {build})` (or `make images`)"
         )
+
+
+def require_runtime_image() -> None:
+    require_image(RUNTIME_IMAGE, "runtime-cpu")
 
 
 def wait_status(

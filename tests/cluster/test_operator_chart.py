@@ -1,0 +1,128 @@
+"""The Helm chart installs a working operator: in-cluster, with only the chart's RBAC.
+
+The operator image (rekindle.local/operator:dev, `make images`) runs as the
+chart's ServiceAccount, watching one fresh namespace; the checks exercise what
+its Role must allow (status writes, events, owned objects) without a vLLM boot.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.cluster.kube import REPO, helm, kubectl, kubectl_json, wait_until
+from tests.cluster.operator_fixtures import (
+    OPERATOR_IMAGE,
+    apply,
+    install_crds,
+    isvc_manifest,
+    require_image,
+    wait_status,
+)
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture()
+def release(namespace: str) -> Iterator[str]:
+    require_image(OPERATOR_IMAGE, "operator")
+    install_crds()
+    name = f"rk{uuid.uuid4().hex[:6]}"
+    repo, tag = OPERATOR_IMAGE.rsplit(":", 1)
+    r = helm(
+        "install",
+        name,
+        str(REPO / "charts" / "rekindle"),
+        "-n",
+        namespace,
+        "--set",
+        f"image.repository={repo}",
+        "--set",
+        f"image.tag={tag}",
+        "--set",
+        "image.pullPolicy=Never",
+        "--set",
+        f"watchNamespaces={{{namespace}}}",
+        "--set",
+        "statusIntervalSeconds=2",
+        "--wait",
+        "--timeout",
+        "180s",
+        check=False,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    yield name
+    for kind in ("checkpoints.rekindle.dev", "inferenceservices.rekindle.dev"):
+        kubectl("delete", kind, "--all", "-n", namespace, "--timeout=60s", check=False)
+    helm("uninstall", name, "-n", namespace, check=False)
+
+
+def operator_logs(namespace: str, release: str) -> str:
+    return kubectl(
+        "logs", "-n", namespace, f"deploy/{release}-rekindle", "--tail=80", check=False
+    ).stdout
+
+
+def test_chart_operator_reconciles_with_its_own_rbac(namespace: str, release: str) -> None:
+    pods = kubectl_json(
+        "get", "pods", "-n", namespace, "-l", "app.kubernetes.io/component=operator"
+    )["items"]
+    assert pods and pods[0]["spec"]["serviceAccountName"] == f"{release}-rekindle"
+    # An InferenceService scaled to zero: every owned object, status and events, no vLLM.
+    doc: dict[str, Any] = isvc_manifest("zero", "/var/lib/rekindle/unused", replicas=0)
+    assert apply(doc, namespace).returncode == 0
+    try:
+        obj = wait_status(
+            "rkis",
+            "zero",
+            namespace,
+            "ScaledToZero",
+            lambda o: (o.get("status") or {}).get("phase") == "ScaledToZero",
+            120,
+        )
+    except AssertionError as e:
+        raise AssertionError(f"{e}\noperator log:\n{operator_logs(namespace, release)}") from e
+    assert obj["status"]["selector"] == "rekindle.dev/inferenceservice=zero"
+    for kind, name in (
+        ("deploy", "zero"),
+        ("svc", "zero"),
+        ("secret", "zero-agent-token"),
+        ("configmap", "zero-rekindle"),
+    ):
+        assert kubectl("get", kind, name, "-n", namespace, check=False).returncode == 0, (
+            kind,
+            name,
+        )
+    # A Checkpoint of nothing fails at once, with an Event.
+    ck = {
+        "apiVersion": "rekindle.dev/v1alpha1",
+        "kind": "Checkpoint",
+        "metadata": {"name": "orphan"},
+        "spec": {"inferenceService": "nope"},
+    }
+    assert apply(ck, namespace).returncode == 0
+    wait_status(
+        "rkcp",
+        "orphan",
+        namespace,
+        "Failed",
+        lambda o: (o.get("status") or {}).get("reason") == "InferenceServiceNotFound",
+        60,
+    )
+    wait_until(
+        "an InferenceServiceNotFound event",
+        lambda: any(
+            e["reason"] == "InferenceServiceNotFound"
+            for e in kubectl_json("get", "events", "-n", namespace)["items"]
+        ),
+        30,
+    )
+    # Deletion through the finalizer works with the chart's permissions.
+    kubectl("delete", "rkcp", "orphan", "-n", namespace, "--timeout=60s")
+    assert "Forbidden" not in operator_logs(namespace, release), json.dumps(
+        operator_logs(namespace, release)[-2000:]
+    )

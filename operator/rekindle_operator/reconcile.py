@@ -13,7 +13,7 @@ from typing import Any
 
 from rekindle_operator import agent_contract as ac
 from rekindle_operator import builders as b
-from rekindle_operator.constants import ANN_BOOT_PATH, ANN_BOOT_REASON, CKPT_READY
+from rekindle_operator.constants import ANN_BOOT_PATH, ANN_BOOT_REASON
 from rekindle_operator.fingerprint import spec_fingerprint
 from rekindle_operator.kube import Kube
 from rekindle_operator.selection import newest_usable, stale_changes
@@ -59,11 +59,13 @@ def checkpoints_of(kube: Kube, namespace: str) -> list[dict[str, Any]]:
 def update_pointer(
     kube: Kube, body: Body, spec: IsvcSpec, checkpoints: list[dict[str, Any]]
 ) -> str | None:
-    """Point new replicas at the newest usable checkpoint; returns its name."""
+    """Point new replicas at the newest usable checkpoint; returns its name if they will use it."""
     best = newest_usable(checkpoints, spec.name, spec_fingerprint(spec))
     path = str(best["status"]["path"]) if best else ""
     kube.apply(b.build_configmap(spec, path, owner=body))
-    return best["metadata"]["name"] if best else None
+    if best is None or spec.restore_policy == "Never":
+        return None
+    return str(best["metadata"]["name"])
 
 
 def mark_stale(kube: Kube, spec: IsvcSpec, checkpoints: list[dict[str, Any]], emit: Emit) -> None:
@@ -162,12 +164,3 @@ def reconcile(kube: Kube, body: Body, emit: Emit, ask: AgentAsk = ask_agent) -> 
     for kind, reason, message in transitions(old, new):
         emit(kind, reason, message)
     return new
-
-
-def ready_checkpoints(checkpoints: list[dict[str, Any]], isvc: str) -> list[dict[str, Any]]:
-    return [
-        c
-        for c in checkpoints
-        if (c.get("spec") or {}).get("inferenceService") == isvc
-        and (c.get("status") or {}).get("phase") == CKPT_READY
-    ]

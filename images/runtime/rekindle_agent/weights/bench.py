@@ -4,8 +4,9 @@ For synthetic weight sets (default 1, 4 and 8 GiB of bf16 tensors shaped like
 a Llama's layers) and, on CPU, the tiny model served by a real vLLM, with a
 warm and a cold page cache (`echo 3 > /proc/sys/vm/drop_caches`), it times:
 
-  pagecache        reading the dump file itself into reused buffers, best of 1
-                   and N threads: the physical limit of any file-based reload
+  pagecache        reading the dump file itself into reused buffers with the
+                   reloader's N threads: the physical limit of a file-based reload
+  pagecache_1thread  the same with one thread (what `cat` or dd would see)
   h2d_pinned       (cuda) pinned host-to-device copies: the other limit
   rekindle         reload_tensors into the existing tensors (verify off)
   rekindle_verify  the same with every block's CRC-32 checked
@@ -192,7 +193,6 @@ def bench_set(
 ) -> list[dict[str, Any]]:
     """All methods on one weight set, warm and cold, args.trials times; one row per run."""
     import torch
-    from safetensors.torch import load_file, save_file
 
     device = args.device
     d = work / label
@@ -203,8 +203,14 @@ def bench_set(
     nbytes = fmt.read_index(d, 0).data_bytes
     log(f"{label}: dump {res.bytes / GiB:.2f} GiB in {res.seconds:.1f} s")
     st_path = d / "model.safetensors"
-    has_vllm = device == "cpu" and not args.no_vllm and _vllm_importable()
-    save_file({n: t.cpu() for n, t in tensors.items()}, str(st_path))
+    has_st = _importable("safetensors")
+    has_vllm = has_st and device == "cpu" and not args.no_vllm and _importable("vllm")
+    if has_st:
+        from safetensors.torch import load_file, save_file
+
+        save_file({n: t.cpu() for n, t in tensors.items()}, str(st_path))
+    else:
+        log("safetensors is not installed: its baselines are skipped")
     threads = opts.resolved_threads()
 
     def reload(o: ReloadOptions) -> float:
@@ -212,9 +218,8 @@ def bench_set(
         return reload_tensors(d, tensors, options=o).gbps
 
     methods: dict[str, Callable[[], float]] = {
-        "pagecache": lambda: max(
-            read_file_gbps(fmt.data_path(d, 0), 1), read_file_gbps(fmt.data_path(d, 0), threads)
-        ),
+        "pagecache": lambda: read_file_gbps(fmt.data_path(d, 0), threads),
+        "pagecache_1thread": lambda: read_file_gbps(fmt.data_path(d, 0), 1),
         "rekindle": lambda: reload(opts),
         "rekindle_verify": lambda: reload(dataclasses.replace(opts, verify=True)),
     }
@@ -243,7 +248,8 @@ def bench_set(
         _sync(device)
         return nbytes / (time.perf_counter() - t0) / 1e9
 
-    methods["safetensors"] = st_load
+    if has_st:
+        methods["safetensors"] = st_load
     rows = []
     caches = ["warm"] + ([] if args.no_cold else ["cold"])
     for trial in range(args.trials):
@@ -281,9 +287,11 @@ def bench_set(
     return rows
 
 
-def _vllm_importable() -> bool:
+def _importable(module: str) -> bool:
+    import importlib
+
     try:
-        import vllm  # noqa: F401
+        importlib.import_module(module)
     except Exception:
         return False
     return True
@@ -362,7 +370,8 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for caches in out.values():
         for methods in caches.values():
             rk = methods.get("rekindle", {}).get("gbps_median")
-            for base in ("pagecache", "h2d_pinned", "vllm_iterator", "safetensors"):
+            bases = ("pagecache", "pagecache_1thread", "h2d_pinned", "vllm_iterator", "safetensors")
+            for base in bases:
                 if rk and base in methods:
                     methods["rekindle"][f"vs_{base}"] = round(rk / methods[base]["gbps_median"], 3)
     return out
@@ -412,6 +421,19 @@ def plot(summary: dict[str, Any], path: Path, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def command_line(args: argparse.Namespace) -> str:
+    """The command that reproduces this run (from the parsed options, whatever the entry)."""
+    parts = ["rekindle bench weights", f"--sizes {args.sizes}", f"--trials {args.trials}"]
+    parts.append(f"--device {args.device}")
+    for opt in ("threads", "chunk_mib", "buffers", "model"):
+        if getattr(args, opt) is not None:
+            parts.append(f"--{opt.replace('_', '-')} {getattr(args, opt)}")
+    parts += [
+        f"--{f.replace('_', '-')}" for f in ("direct", "no_cold", "no_vllm") if getattr(args, f)
+    ]
+    return " ".join(parts)
+
+
 def run(args: argparse.Namespace) -> int:
     if not args.no_cold and os.geteuid() != 0:
         log("cold runs need root (drop_caches): run as root or pass --no-cold")
@@ -442,7 +464,7 @@ def run(args: argparse.Namespace) -> int:
         rows += bench_set(f"{gib:g}GiB", tensors, work, args, opts)
         del tensors
         gc.collect()
-    if args.device == "cpu" and not args.no_vllm and _vllm_importable():
+    if args.device == "cpu" and not args.no_vllm and _importable("vllm"):
         rows += bench_tiny_vllm(work, args)
     summary = summarize(rows)
     out = Path(args.out)
@@ -459,7 +481,7 @@ def run(args: argparse.Namespace) -> int:
 
         host["gpu"] = torch.cuda.get_device_name()
     doc = {
-        "command": "rekindle bench weights " + " ".join(sys.argv[3:]),
+        "command": command_line(args),
         "host": host,
         "options": {
             "threads": opts.resolved_threads(),
@@ -505,3 +527,15 @@ def add_bench_weights(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--work", default="/var/tmp/rekindle-bench-weights", help="scratch, on disk")
     p.add_argument("--out", default="docs/bench/weights")
     p.set_defaults(func=run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry (`python -m rekindle_agent.weights.bench weights ...`): needs only torch."""
+    parser = argparse.ArgumentParser(prog="rekindle")
+    add_bench_weights(parser.add_subparsers(dest="cmd", required=True))
+    args = parser.parse_args(["bench", *(argv if argv is not None else sys.argv[1:])])
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import textwrap
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -168,3 +169,39 @@ def test_helm_install_and_uninstall(namespace: str, smoke_image: str) -> None:
     gone = kubectl("get", "configmap", "-n", namespace, "hello-greeting", check=False)
     assert gone.returncode != 0 and "NotFound" in gone.stderr
     assert helm("list", "-n", namespace, "-q").stdout.strip() == ""
+
+
+def test_service_routes_to_its_pod(namespace: str, smoke_image: str) -> None:
+    manifest = textwrap.dedent(f"""\
+        apiVersion: v1
+        kind: Pod
+        metadata: {{name: web, labels: {{app: web}}}}
+        spec:
+          terminationGracePeriodSeconds: 0
+          containers:
+          - name: main
+            image: {smoke_image}
+            imagePullPolicy: Never
+            args: ["mkdir /www; echo hello-$HOSTNAME >/www/index.html; httpd -f -p 8080 -h /www"]
+            readinessProbe: {{tcpSocket: {{port: 8080}}, periodSeconds: 1}}
+        ---
+        apiVersion: v1
+        kind: Service
+        metadata: {{name: web}}
+        spec:
+          selector: {{app: web}}
+          ports: [{{port: 80, targetPort: 8080}}]
+        """)
+    kubectl("apply", "-n", namespace, "-f", "-", input=manifest)
+    kubectl("wait", "-n", namespace, "--for=condition=Ready", "pod/web", "--timeout=120s")
+    ip = kubectl_json("get", "-n", namespace, "service", "web")["spec"]["clusterIP"]
+
+    def answers() -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{ip}/", timeout=2) as resp:
+                return bool(resp.read().decode().strip() == "hello-web")
+        except OSError:
+            return False
+
+    # kube-proxy programs the Service's rules a moment after the endpoints appear.
+    wait_until("the Service to answer from its pod", answers, 60)

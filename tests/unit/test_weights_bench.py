@@ -23,7 +23,7 @@ def test_summary_ratios_and_table() -> None:
     rk = s["1GiB"]["warm"]["rekindle"]
     assert rk["gbps_median"] == 5.0 and rk["trials"] == 3
     assert rk["vs_pagecache"] == 1.0
-    assert "| 1GiB | warm | pagecache | 5.000 | 5.000..9.000 | 1.00 |" in bench.table(s)
+    assert "| 1GiB | warm | pagecache | 5.000 | 5.000..9.000 | 1.00 |  |" in bench.table(s)
 
 
 def test_cli_has_bench_weights_beside_other_benchmarks() -> None:

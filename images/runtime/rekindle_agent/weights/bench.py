@@ -131,6 +131,43 @@ def read_file_gbps(path: Path, threads: int, chunk: int = 8 * MiB) -> float:
         os.close(fd)
 
 
+def cached_fraction(path: Path) -> float:
+    """Share of path's pages in the page cache (mincore), to show how warm "warm" was."""
+    import ctypes
+    import mmap
+
+    size = path.stat().st_size
+    if size == 0:
+        return 1.0
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    page = mmap.PAGESIZE
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            return float("nan")
+        try:
+            vec = ctypes.create_string_buffer((size + page - 1) // page)
+            if libc.mincore(ctypes.c_void_p(addr), size, vec) != 0:
+                return float("nan")
+            return sum(b & 1 for b in vec.raw) / len(vec.raw)
+        finally:
+            libc.munmap(ctypes.c_void_p(addr), size)
+    finally:
+        os.close(fd)
+
+
 def h2d_pinned_gbps(total: int, device: str) -> float:
     """Pinned host-to-device copy bandwidth (the ceiling for a GPU reload)."""
     import torch
@@ -257,15 +294,12 @@ def bench_set(
             for method, fn in methods.items():
                 if method == "h2d_pinned" and cache == "cold":
                     continue
+                src = st_path if method in ("vllm_iterator", "safetensors") else fmt.data_path(d, 0)
                 if cache == "warm":
-                    read_file_gbps(
-                        st_path
-                        if method in ("vllm_iterator", "safetensors")
-                        else fmt.data_path(d, 0),
-                        threads,
-                    )  # bring it into the cache
+                    read_file_gbps(src, threads)  # bring it into the cache
                 else:
                     drop_caches()
+                cached = cached_fraction(src)
                 gbps = fn()
                 rows.append(
                     dict(
@@ -275,9 +309,13 @@ def bench_set(
                         trial=trial,
                         bytes=nbytes,
                         gbps=round(gbps, 3),
+                        cached=round(cached, 3),
                     )
                 )
-                log(f"{label} trial {trial} {cache:4s} {method:16s} {gbps:7.2f} GB/s")
+                log(
+                    f"{label} trial {trial} {cache:4s} {method:17s} {gbps:7.2f} GB/s "
+                    f"({cached:.0%} of the file in the page cache before)"
+                )
     # Prove the last reload was bit-exact (the runs above only timed it).
     reload_tensors(d, tensors, options=ReloadOptions(verify=True))
     shutil.rmtree(d, ignore_errors=True)
@@ -364,6 +402,8 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "gbps_max": max(g),
             "trials": len(g),
         }
+        if "cached" in rs[0]:
+            entry["cached_median"] = round(statistics.median(r["cached"] for r in rs), 3)
         if "seconds" in rs[0]:
             entry["seconds_median"] = round(statistics.median(r["seconds"] for r in rs), 6)
         out.setdefault(st, {}).setdefault(cache, {})[method] = entry
@@ -379,8 +419,8 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def table(summary: dict[str, Any]) -> str:
     lines = [
-        "| set | cache | method | GB/s (median) | min..max | rekindle ÷ this |",
-        "|---|---|---|---|---|---|",
+        "| set | cache | method | GB/s (median) | min..max | rekindle ÷ this | cached before |",
+        "|---|---|---|---|---|---|---|",
     ]
     for st, caches in summary.items():
         for cache, methods in caches.items():
@@ -388,9 +428,10 @@ def table(summary: dict[str, Any]) -> str:
             for m, e in methods.items():
                 ratio = f"{rk / e['gbps_median']:.2f}" if rk and m != "rekindle" else ""
                 extra = f" ({e['seconds_median'] * 1000:.1f} ms)" if "seconds_median" in e else ""
+                cached = f"{e['cached_median']:.0%}" if "cached_median" in e else ""
                 lines.append(
                     f"| {st} | {cache} | {m} | {e['gbps_median']:.3f}{extra} | "
-                    f"{e['gbps_min']:.3f}..{e['gbps_max']:.3f} | {ratio} |"
+                    f"{e['gbps_min']:.3f}..{e['gbps_max']:.3f} | {ratio} | {cached} |"
                 )
     return "\n".join(lines) + "\n"
 

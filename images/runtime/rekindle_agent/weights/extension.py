@@ -107,8 +107,12 @@ def _keep_cpu_linear_weights() -> None:
         return
 
     def dispatch_keeping_weight(layer: Any, remove_weight: bool) -> None:
+        # Only 2-D (linear) weights: the handler is rebuilt from them after a reload.
+        # Others (e.g. causal-conv prepacking) rewrite the weight itself, which the dump keeps.
+        linear = getattr(getattr(layer, "weight", None), "ndim", 0) == 2
         orig(layer, remove_weight=False)
-        layer._rekindle_redispatch = True
+        if linear:
+            layer._rekindle_redispatch = True
 
     dispatch_keeping_weight._rekindle = True  # type: ignore[attr-defined]
     layer_utils.dispatch_cpu_unquantized_gemm = dispatch_keeping_weight
@@ -124,17 +128,16 @@ def _released_linear(*args: object, **kwargs: object) -> None:
     )
 
 
-def _drop_cpu_handlers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """Replace CPU GEMM closures (which own packed weight copies) by a stub; return the layers."""
-    dropped = []
+def _drop_cpu_handlers(model: torch.nn.Module) -> None:
+    """Replace CPU GEMM closures (which own packed weight copies) by a stub that raises."""
     for m in model.modules():
         if getattr(m, "_rekindle_redispatch", False) and callable(getattr(m, "cpu_linear", None)):
             setattr(m, "cpu_linear", _released_linear)  # noqa: B010 (Module typing)
-            dropped.append(m)
-    return dropped
 
 
 def _rebuild_cpu_handlers(layers: list[torch.nn.Module]) -> None:
+    if not layers:
+        return
     from vllm.model_executor.layers import utils as layer_utils
 
     for m in layers:
@@ -180,7 +183,6 @@ class _Released:
 
     weights: list[tuple[Any, int]] = field(default_factory=list)
     kv: list[tuple[Any, int]] = field(default_factory=list)
-    cpu_layers: list[Any] = field(default_factory=list)
 
     @property
     def weight_bytes(self) -> int:
@@ -263,7 +265,8 @@ class RekindleWorkerExtension:
             return {"rank": int(self.rank), "freed_bytes": staging, "mode": "vllm-sleep"}
         rss0 = _rss_bytes()
         model = self._rekindle_model()
-        state = _Released(cpu_layers=_drop_cpu_handlers(model))
+        _drop_cpu_handlers(model)
+        state = _Released()
         weights = _storages([t for _, _, t in model_tensors(model)])
         kv = {
             p: v
@@ -306,8 +309,15 @@ class RekindleWorkerExtension:
             release_staging_buffers()  # no pinned host memory left behind in the server
         if state is not None:
             _regrow(state.kv)
-            _rebuild_cpu_handlers(state.cpu_layers)
             self._rekindle_released = None
+        # Packed CPU GEMM copies must follow the new bytes (a reload need not follow a release).
+        _rebuild_cpu_handlers(
+            [
+                m
+                for m in self._rekindle_model().modules()
+                if getattr(m, "_rekindle_redispatch", False)
+            ]
+        )
         out = res.to_json()
         out["total_seconds"] = round(time.perf_counter() - t0, 6)
         return out

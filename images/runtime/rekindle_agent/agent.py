@@ -241,6 +241,7 @@ class Agent:
             self.boot()
             return False
         self.status.timings["restore"] = phases
+        log.info("restore phases (s): %s", {k: round(v, 3) for k, v in phases.items()})
         self.metrics.observe_phases(self.metrics.restore_phase_seconds, phases)
         self.metrics.ready_seconds.labels("restored").set(time.monotonic() - self.t_start)
         self.status.origin = "restored"

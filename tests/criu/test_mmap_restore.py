@@ -342,3 +342,17 @@ def test_whole_task_fallbacks(
     assert "--mmap-restore has no effect" in log or mode == "parent-images"
     assert not any("pages-" in v[2] for v in proc.smaps())
     proc.verify(gen=1 if mode == "parent-images" else 0)
+
+
+def test_option_from_config_file(criu_prefix: Path, memmix_proc: Memmix, tmp_path: Path) -> None:
+    """`mmap-restore` in a configuration file works like --mmap-restore."""
+    flavor = Flavor("patched", criu_prefix / "patched" / "criu", ())
+    proc = memmix_proc
+    proc.start()
+    images = tmp_path / "img"
+    dump(flavor, proc, images)
+    config = tmp_path / "criu.conf"
+    config.write_text("mmap-restore\n")
+    restore(flavor, proc, images, "--config", str(config))
+    check_layout(Flavor("patched", flavor.criu, ("--mmap-restore",)), proc, images)
+    proc.verify(gen=0)

@@ -23,6 +23,7 @@ from rekindle_agent import (
     api,
     checkpoint,
     criu,
+    early,
     fingerprint,
     manifest,
     proctree,
@@ -31,7 +32,7 @@ from rekindle_agent import (
     seccomp,
     shm,
 )
-from rekindle_agent.config import AgentConfig, ConfigError
+from rekindle_agent.config import AgentConfig, ConfigError, normalize_checkpoint
 from rekindle_agent.metrics import Metrics
 from rekindle_agent.state import Status
 from rekindle_agent.vllm_control import wait_health
@@ -58,13 +59,6 @@ def token_ok(expected: bytes, header: str | None) -> bool:
     if not header or not header.startswith("Bearer "):
         return False
     return hmac.compare_digest(header[len("Bearer ") :].strip().encode(), expected)
-
-
-def normalize_checkpoint(value: str | None) -> str | None:
-    """Empty, or an unexpanded Kubernetes $(VAR), means: no checkpoint."""
-    if not value or value.startswith("$("):
-        return None
-    return value
 
 
 def resolve_worker_extension(value: str | None) -> str | None:
@@ -125,7 +119,7 @@ class Agent:
     # -- helpers used by the flows -------------------------------------------------
     def criu_info(self) -> criu.CriuInfo:
         if self._criu is None:
-            self._criu = criu.probe(self.cfg.criu)
+            self._criu = early.probe(self.cfg.criu)
         return self._criu
 
     def fingerprint(self) -> dict[str, Any]:

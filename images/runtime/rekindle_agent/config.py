@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -168,12 +169,22 @@ def from_args(ns: argparse.Namespace, env: dict[str, str] | None = None) -> Agen
     return cfg
 
 
+def normalize_checkpoint(value: str | None) -> str | None:
+    """Empty, or an unexpanded Kubernetes $(VAR), means: no checkpoint."""
+    if not value or value.startswith("$("):
+        return None
+    return value
+
+
 def _cmd_agent(ns: argparse.Namespace) -> int:
     try:
         cfg = from_args(ns)
     except ConfigError as e:
-        print(f"rekindle agent: {e}", file=__import__("sys").stderr)
+        print(f"rekindle agent: {e}", file=sys.stderr)
         return 2
+    from rekindle_agent import early
+
+    early.begin(cfg)  # before the heavier imports below
     from rekindle_agent.server import run
 
     return run(cfg)

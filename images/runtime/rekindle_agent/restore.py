@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rekindle_agent import api, criu, fingerprint, manifest, prefetch, proctree, shm
+from rekindle_agent import api, criu, early, fingerprint, manifest, prefetch, proctree, shm
 from rekindle_agent.vllm_control import VllmCallError, VllmControl, wait_health
 
 if TYPE_CHECKING:
@@ -82,7 +82,9 @@ def restore(agent: Agent, ckpt: Path, *, require_verified: bool, mmap: bool) -> 
     verify = cfg.verify_checksums
     pre: prefetch.Prefetcher | None = None
     if cfg.prefetch:
-        pre = prefetch.Prefetcher(ckpt, files, threads=cfg.prefetch_threads, verify=verify)
+        pre = early.take_prefetcher(ckpt) or prefetch.Prefetcher(
+            ckpt, files, threads=cfg.prefetch_threads, verify=verify
+        )
     restored_root: int | None = None
     created_shm: list[str] = []
     try:

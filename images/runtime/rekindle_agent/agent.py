@@ -179,6 +179,8 @@ class Agent:
     def boot(self) -> None:
         """Start vLLM normally and wait until it serves."""
         cfg = self.cfg
+        if self.stopping:
+            raise RuntimeError("agent is stopping; not booting vLLM")
         self.set_state("Booting", "starting vLLM")
         t0 = time.monotonic()
         os.makedirs(os.path.join(cfg.run_dir, "tmp"), mode=0o700, exist_ok=True)
@@ -198,6 +200,9 @@ class Agent:
         finally:
             os.close(fd)
         self.adopt(pid)
+        if self.stopping:  # shutdown raced with the spawn
+            self.kill_vllm(remove_shm=True)
+            raise RuntimeError("agent is stopping")
         try:
             health = wait_health(self.vllm_url, cfg.boot_timeout, alive=self.vllm_alive)
         except (TimeoutError, RuntimeError) as e:

@@ -5,6 +5,7 @@ an empty /dev/shm (rekindle_agent.harness), like a new pod:
   naive    no checkpoint: vLLM boots
   stock    restore with stock CRIU (copying restore), no prefetch; checksums
            verified up front
+  stock+prefetch  the same CRIU with the prefetch (separates the two gains)
   patched  restore with the patched CRIU (--mmap-restore when it has it) and
            the parallel prefetch, checksums verified while restoring
 each with a warm and a cold page cache (`echo 3 > /proc/sys/vm/drop_caches`),
@@ -32,6 +33,7 @@ from rekindle_agent.harness import AgentFactory, AgentProc
 VARIANTS: dict[str, tuple[str, ...]] = {
     "naive": ("--restore-policy", "never"),
     "stock": ("--mmap-restore", "off", "--no-prefetch"),
+    "stock+prefetch": ("--mmap-restore", "off", "--prefetch"),
     "patched": ("--mmap-restore", "auto", "--prefetch"),
 }
 RESTORE_PHASES = (
@@ -130,7 +132,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         }
     for cache in ("warm", "cold"):
         naive = out.get(f"naive/{cache}")
-        for v in ("stock", "patched"):
+        for v in ("stock", "stock+prefetch", "patched"):
             s = out.get(f"{v}/{cache}")
             if naive and s:
                 s["speedup_vs_naive"] = naive["ttft_median"] / s["ttft_median"]
@@ -197,6 +199,7 @@ def run_bench(args: argparse.Namespace) -> int:
         return 2
     prefix = Path(args.criu_prefix)
     criu = {"stock": prefix / "stock" / "criu", "patched": prefix / "patched" / "criu"}
+    criu["stock+prefetch"] = criu["stock"]
     for p in criu.values():
         if not os.access(p, os.X_OK):
             print(f"no CRIU at {p}: run scripts/build-criu and pass its output", file=sys.stderr)
@@ -265,7 +268,7 @@ def add_bench_local(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--criu-prefix", required=True, help="scripts/build-criu's output directory")
     p.add_argument("--model", help="model directory (default: generate the tiny model)")
     p.add_argument("--trials", type=int, default=3)
-    p.add_argument("--variants", default="naive,stock,patched")
+    p.add_argument("--variants", default="naive,stock,stock+prefetch,patched")
     p.add_argument("--work", default="/var/tmp/rekindle-bench", help="scratch (on disk)")
     p.add_argument("--out", default="docs/bench/local")
     p.set_defaults(func=run_bench)

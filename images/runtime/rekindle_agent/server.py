@@ -12,14 +12,12 @@ import json
 import logging
 import signal
 import threading
-from pathlib import Path
 from typing import Any
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 
 from rekindle_agent import api, checkpoint
-from rekindle_agent.agent import Agent, read_token, setup_logging, token_ok
-from rekindle_agent.config import AgentConfig
+from rekindle_agent.agent import Agent, token_ok
 
 log = logging.getLogger("rekindle.server")
 RETRY_AFTER_S = "2"
@@ -231,8 +229,9 @@ def proxy_app(agent: Agent, proxy: Proxy) -> web.Application:
     return app
 
 
-async def serve(cfg: AgentConfig) -> None:
-    agent = Agent(cfg, read_token(cfg.token_file))
+async def serve(agent: Agent, starter: threading.Thread, early_stop: threading.Event) -> None:
+    """Serve HTTP while the flow started in starter (boot or restore) runs on."""
+    cfg = agent.cfg
     proxy = Proxy(agent)
     runners = []
     for app, port in (
@@ -255,8 +254,9 @@ async def serve(cfg: AgentConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if early_stop.is_set():
+        stop.set()
     threading.Thread(target=agent.watch, name="watch", daemon=True).start()
-    starter = asyncio.create_task(asyncio.to_thread(agent.start))
     await stop.wait()
     log.info("agent: stopping")
     agent.stopping = True
@@ -264,12 +264,11 @@ async def serve(cfg: AgentConfig) -> None:
         await proxy.close_connections()
     for runner in runners:
         await runner.cleanup()
+    # A boot or restore still running is cut short by killing vLLM's tree.
     await asyncio.to_thread(agent.shutdown)
-    starter.cancel()
+    await asyncio.to_thread(starter.join, 30)
 
 
-def run(cfg: AgentConfig) -> int:
-    setup_logging()
-    Path(cfg.run_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
-    asyncio.run(serve(cfg))
+def run(agent: Agent, starter: threading.Thread, early_stop: threading.Event) -> int:
+    asyncio.run(serve(agent, starter, early_stop))
     return 0

@@ -24,6 +24,8 @@ Every method returns a JSON-serializable dict. The interface (agreed with the ag
 - `rekindle_weights_digest() -> {name: checksum}`: per-tensor block CRC-32s
   (format.py), to prove a round trip bit-exact.
 - `rekindle_worker_info() -> {"rank", "pid", "rss_bytes", "released"}`.
+- `rekindle_time_vllm_reload() -> {"rank", "seconds"}`: vLLM's `reload_weights`
+  timed in the worker (the benchmark's baseline).
 
 Between release and reload the model must not run: drain requests first.
 
@@ -321,6 +323,12 @@ class RekindleWorkerExtension:
         out = res.to_json()
         out["total_seconds"] = round(time.perf_counter() - t0, 6)
         return out
+
+    def rekindle_time_vllm_reload(self) -> dict[str, Any]:
+        """vLLM's own `reload_weights` timed inside the worker (the benchmark's baseline)."""
+        t0 = time.perf_counter()
+        self.model_runner.reload_weights()
+        return {"rank": int(self.rank), "seconds": round(time.perf_counter() - t0, 6)}
 
     def rekindle_weights_digest(self) -> dict[str, str]:
         if self._rekindle_state() is not None:

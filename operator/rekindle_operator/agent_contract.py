@@ -45,6 +45,15 @@ CHECKPOINT_MOUNT = "/var/lib/rekindle/checkpoints"
 CHECKPOINT_ENV = "REKINDLE_CHECKPOINT"
 # The runtime images put the agent on PYTHONPATH (not installed): run it as a module.
 AGENT_ENTRYPOINT = ("python", "-m", "rekindle_agent.cli", "agent")
+# A restored process tree keeps its sockets; a new pod has a new IP. vLLM's
+# workers must therefore bind only to loopback (single-pod TP): gloo (CPU) and
+# NCCL bootstrap pick the address of the pod's hostname otherwise, and the
+# restore fails with "Can't bind inet socket: Cannot assign requested address".
+POD_ENV = {
+    "VLLM_HOST_IP": "127.0.0.1",
+    "GLOO_SOCKET_IFNAME": "lo",
+    "NCCL_SOCKET_IFNAME": "lo",
+}
 
 _RESTORE_POLICY = {"IfAvailable": "if-present", "Never": "never"}
 

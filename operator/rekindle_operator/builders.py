@@ -202,7 +202,9 @@ def _resources(spec: IsvcSpec, shm_bytes: int) -> Obj:
 
 
 def build_pod_template(spec: IsvcSpec, shm_bytes: int, fingerprint: str) -> Obj:
-    env: list[Obj] = [{"name": k, "value": v} for k, v in spec.env]
+    user = dict(spec.env)
+    env: list[Obj] = [{"name": k, "value": v} for k, v in ac.POD_ENV.items() if k not in user]
+    env += [{"name": k, "value": v} for k, v in spec.env]
     env.append(
         {
             "name": ac.CHECKPOINT_ENV,

@@ -177,3 +177,11 @@ def test_container_can_run_criu() -> None:
     sc = container(deployment(tiny()))["securityContext"]
     assert sc["privileged"] is True
     assert sc["seccompProfile"] == {"type": "Unconfined"}
+
+
+def test_workers_bind_loopback_so_a_new_pod_ip_does_not_break_restore() -> None:
+    env = {e["name"]: e.get("value") for e in container(deployment(tiny()))["env"]}
+    assert env["GLOO_SOCKET_IFNAME"] == "lo" and env["VLLM_HOST_IP"] == "127.0.0.1"
+    mine = tiny(env=[{"name": "GLOO_SOCKET_IFNAME", "value": "eth1"}])
+    names = [e["name"] for e in container(deployment(mine))["env"]]
+    assert names.count("GLOO_SOCKET_IFNAME") == 1

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from rekindle_agent import criu
+from rekindle_agent.api import AgentError
 
 from tests.vllm.conftest import (
     PROMPTS,
@@ -236,5 +237,24 @@ def test_bad_checkpoint_falls_back_to_boot(
         assert st.origin == "booted", st.raw
         assert st.last_fallback is not None and st.last_fallback["reason"] == reason, st.raw
         assert completions(agent) == shared.before
+    finally:
+        agent.stop()
+
+
+def test_failed_checkpoint_keeps_serving(shared: Shared, agent_factory: AgentFactory) -> None:
+    """Without the seccomp filter uvloop opens io_uring: the checkpoint must refuse with the
+    fix named, put the released weights back, and keep serving the same completions."""
+    agent = agent_factory.start("--no-seccomp", name="no-seccomp")
+    target = agent_factory.checkpoints / "refused"
+    try:
+        agent.wait_ready(600)
+        with pytest.raises(AgentError) as e:
+            agent.client.checkpoint(str(target), timeout=600)
+        assert e.value.status == 500
+        assert "io_uring" in e.value.body and "seccomp" in e.value.body
+        st = agent.wait_ready(60)
+        assert st.origin == "booted" and st.raw["last_checkpoint"]["ok"] is False
+        assert completions(agent) == shared.before
+        assert not (target / "manifest.json").exists()
     finally:
         agent.stop()

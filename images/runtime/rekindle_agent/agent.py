@@ -12,6 +12,7 @@ import contextlib
 import hmac
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -273,6 +274,8 @@ class Agent:
         except checkpoint.CheckpointError as e:
             self.metrics.checkpoints.labels("failed").inc()
             self.status.last_checkpoint = {"dir": str(ckpt), "ok": False, "error": str(e)}
+            # Half a checkpoint is of no use (no manifest); the same dir may be retried.
+            shutil.rmtree(ckpt, ignore_errors=True)
             if e.serving and self.vllm_alive():
                 self.set_state("Ready", f"checkpoint failed, still serving: {e}")
             else:

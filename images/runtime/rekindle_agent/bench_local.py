@@ -157,6 +157,21 @@ def table(summary: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+PHASE_ORDER = (
+    "agent_start",
+    "vllm_boot",
+    "validate",
+    "checksums",
+    "shm",
+    "criu_restore",
+    "health",
+    "prefetch_wait",
+    "reload_weights",
+    "first_token",
+    "first_request",
+)
+
+
 def plot(summary: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -164,38 +179,53 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     labels = list(summary)
-    phases = list(dict.fromkeys(p for s in summary.values() for p in s["phases_median"]))
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [1, 2]})
+    seen = {p for s in summary.values() for p in s["phases_median"]}
+    phases = [p for p in PHASE_ORDER if p in seen] + sorted(seen - set(PHASE_ORDER))
+    cmap = plt.get_cmap("tab20")
+    color = {p: cmap(i % 20) for i, p in enumerate(phases)}
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5.5), gridspec_kw={"width_ratios": [1, 2]})
     for ax, keys in ((ax1, labels), (ax2, [k for k in labels if not k.startswith("naive")])):
         bottom = [0.0] * len(keys)
         for ph in phases:
             vals = [summary[k]["phases_median"].get(ph, 0.0) for k in keys]
-            if not any(vals):
-                continue
-            ax.bar(keys, vals, bottom=bottom, label=ph)
+            ax.bar(keys, vals, bottom=bottom, color=color[ph], label=ph)
             bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
         for i, k in enumerate(keys):
             s = summary[k]
-            ax.errorbar(
-                i,
-                s["ttft_median"],
-                yerr=[[s["ttft_median"] - s["ttft_min"]], [s["ttft_max"] - s["ttft_median"]]],
-                fmt="k.",
-                capsize=4,
-            )
-        ax.set_ylabel("seconds, launch to first token (median; bars: min-max)")
+            lo, hi = s["ttft_median"] - s["ttft_min"], s["ttft_max"] - s["ttft_median"]
+            ax.errorbar(i, s["ttft_median"], yerr=[[lo], [hi]], fmt="k.", capsize=4)
         ax.tick_params(axis="x", rotation=30)
+    ax1.set_ylabel("seconds, launch to first token")
     ax1.set_title("all variants")
     ax2.set_title("restores only (zoom)")
-    ax2.legend(fontsize=8, loc="upper right")
-    fig.suptitle("rekindle bench local: vLLM CPU, tiny model, " + platform.node())
+    handles = [plt.Rectangle((0, 0), 1, 1, color=color[p]) for p in phases]
+    ax2.legend(handles, phases, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.suptitle(
+        "rekindle bench local (vLLM CPU, tiny model): bars = median phases; "
+        "dot = median time to first token, whiskers = min-max"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
+def render(out: Path, summary: dict[str, Any]) -> str:
+    text = table(summary)
+    (out / "results.md").write_text(text)
+    plot(summary, out / "results.png")
+    return text
+
+
 def run_bench(args: argparse.Namespace) -> int:
+    if args.replot:
+        out = Path(args.out)
+        doc = json.loads((out / "results.json").read_text())
+        print(render(out, summarize(doc["runs"])))
+        return 0
     if os.geteuid() != 0:
         print("rekindle bench local: needs root (CRIU, namespaces, drop_caches)", file=sys.stderr)
+        return 2
+    if not args.criu_prefix:
+        print("--criu-prefix is required: pass scripts/build-criu's output", file=sys.stderr)
         return 2
     prefix = Path(args.criu_prefix)
     criu = {"stock": prefix / "stock" / "criu", "patched": prefix / "patched" / "criu"}
@@ -251,10 +281,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "runs": runs,
     }
     (out / "results.json").write_text(json.dumps(doc, indent=2))
-    text = table(summary)
-    (out / "results.md").write_text(text)
-    plot(summary, out / "results.png")
-    print(text)
+    print(render(out, summary))
     return 0
 
 
@@ -265,10 +292,11 @@ def add_bench_local(sub: argparse._SubParsersAction) -> None:
         bench.add_subparsers(dest="bench_cmd", required=True)
     bsub = next(a for a in bench._actions if isinstance(a, argparse._SubParsersAction))
     p = bsub.add_parser("local", help="naive boot vs CRIU restore on this machine")
-    p.add_argument("--criu-prefix", required=True, help="scripts/build-criu's output directory")
+    p.add_argument("--criu-prefix", default="", help="scripts/build-criu's output directory")
     p.add_argument("--model", help="model directory (default: generate the tiny model)")
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--variants", default="naive,stock,stock+prefetch,patched")
     p.add_argument("--work", default="/var/tmp/rekindle-bench", help="scratch (on disk)")
     p.add_argument("--out", default="docs/bench/local")
+    p.add_argument("--replot", action="store_true", help="only redraw from OUT/results.json")
     p.set_defaults(func=run_bench)

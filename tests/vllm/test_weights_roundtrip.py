@@ -7,6 +7,7 @@ checksums computed inside the worker, and greedy completions, before and after.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -105,15 +106,19 @@ def test_corrupt_dump_is_refused_naming_the_tensor_and_a_good_one_recovers(
         f.seek(victim.offset + victim.nbytes // 2)
         f.write(bytes([b[0] ^ 0xFF]))
 
-    s.rpc("rekindle_release_weights")
-    with pytest.raises(RpcError, match=rf"{victim.name}.*checksum mismatch"):
-        s.rpc("rekindle_reload_weights", str(bad))
-    (info,) = s.rpc("rekindle_worker_info")
-    assert info["released"] is True  # refused: still released, not half-loaded and serving
-
-    s.rpc("rekindle_reload_weights", str(weights_dump))
-    s.post("/reset_prefix_cache")
-    assert _completions(s) == before
+    pattern = rf"{re.escape(victim.name)}.*checksum mismatch"
+    # Over live weights, and after a release: either way the worker ends up released
+    # (not serving half-loaded weights), and a good dump brings it back.
+    for release_first in (False, True):
+        if release_first:
+            s.rpc("rekindle_release_weights")
+        with pytest.raises(RpcError, match=pattern):
+            s.rpc("rekindle_reload_weights", str(bad))
+        (info,) = s.rpc("rekindle_worker_info")
+        assert info["released"] is True
+        s.rpc("rekindle_reload_weights", str(weights_dump))
+        s.post("/reset_prefix_cache")
+        assert _completions(s) == before
 
 
 @pytest.mark.parametrize("damage", ["truncate", "dtype", "shape", "rename"])

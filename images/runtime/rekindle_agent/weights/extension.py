@@ -254,8 +254,8 @@ class RekindleWorkerExtension:
             w = getattr(m, "weight", None)
             if callable(getattr(m, "cpu_linear", None)) and w is not None and w.numel() == 0:
                 raise RuntimeError(
-                    "vLLM removed this model's CPU linear weights into packed handlers; "
-                    "unset REKINDLE_CPU_KEEP_WEIGHTS=0 and restart vLLM"
+                    "vLLM removed this model's CPU linear weights into packed handlers "
+                    "(REKINDLE_CPU_KEEP_WEIGHTS=0): unset it and restart vLLM to dump"
                 )
 
     def rekindle_release_weights(self) -> dict[str, Any]:
@@ -303,9 +303,13 @@ class RekindleWorkerExtension:
         try:
             res = load_into(index, fmt.data_path(directory, rank), ordered, opts)
         except BaseException:
-            # Leave the worker visibly unusable rather than half-loaded and serving.
-            if state is not None:
-                _shrink(_storages(ordered))
+            # Some bytes may already be in place: on CPU leave the worker visibly released
+            # (requests fail, worker_info says so) rather than serving half-loaded weights.
+            if self.device.type == "cpu":
+                _drop_cpu_handlers(self._rekindle_model())
+                shrunk = _shrink(_storages(ordered))
+                if state is None:
+                    self._rekindle_released = _Released(weights=shrunk)
             raise
         finally:
             release_staging_buffers()  # no pinned host memory left behind in the server

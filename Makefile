@@ -13,7 +13,7 @@ export PYTHONPATH := $(REPO)/operator:$(REPO)/images/runtime
 export KUBECONFIG := $(shell scripts/local-cluster kubeconfig)
 export PATH       := $(VENV)/bin:$(K8S_BIN):$(PATH)
 PYTEST      := $(PY) -m pytest
-FAST        := not cluster and not criu and not vllm and not gpu
+FAST        := not cluster and not criu and not vllm
 
 .PHONY: help env lint fmt typecheck test test-unit test-criu test-vllm test-cluster \
         cluster-up cluster-down cluster-status images demo clean-cache
@@ -35,7 +35,7 @@ fmt: env ## format and autofix with ruff
 
 test: lint test-unit test-criu test-vllm test-cluster ## everything: lint, unit, CRIU, vLLM and cluster suites
 
-test-unit: env ## fast tests: pure logic, no root, no servers
+test-unit: env ## fast tests: pure logic, no root, no servers (gpu ones skip without CUDA)
 	$(PYTEST) -m "$(FAST)"
 
 test-criu: env ## real CRIU dump/restore (root); builds CRIU on a cache miss

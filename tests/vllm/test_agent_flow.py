@@ -82,6 +82,7 @@ def shared(agent_factory: AgentFactory) -> Iterator[Shared]:
             w.join(180)
         st = agent.wait_ready(60)
         assert st.origin == "restored", st.raw
+        assert st.timings["checkpoint"]["criu_dump"] > 0
         s.after_verify = completions(agent)
     except BaseException:
         print(agent.tail(200))

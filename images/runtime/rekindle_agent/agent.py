@@ -300,6 +300,7 @@ class Agent:
             )
         manifest.mark_verified(ckpt, man, {"restore_seconds": self.status.timings["restore"]})
         self.metrics.checkpoints.labels("ok").inc()
+        self.status.timings["checkpoint"] = dict(man["timings"])
         self.status.last_checkpoint = {"dir": str(ckpt), "ok": True, "timings": man["timings"]}
         return man
 

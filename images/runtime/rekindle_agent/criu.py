@@ -2,8 +2,11 @@
 
 Flags, and why (each one was needed on a real vLLM CPU server, PLATFORM.md):
   --shell-job        the tree's session/pgrp leader may be outside it (shell, agent)
-  --tcp-established  vLLM's loopback connections (torch.distributed store);
-                     the agent closes its own proxy connections before a dump
+  --tcp-established  tolerate established TCP connections in the tree. Observed:
+                     vLLM CPU's tree holds 14 listening loopback sockets (its port,
+                     torch.distributed and ZMQ) and no established connection once
+                     the agent has closed its proxy connections, which it does
+                     before every dump; the flag keeps a stray one from failing it
   --ext-unix-sk      unix sockets whose peer is outside the tree (e.g. /dev/log)
   --link-remap       deleted-but-open files (sem.mp-* are unlinked right after creation)
   --file-locks       vLLM's cache directories take flock()s

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 
 import kopf
@@ -21,6 +22,9 @@ def main(argv: list[str] | None = None) -> int:
         "--liveness", default=None, help="liveness endpoint, e.g. http://0.0.0.0:8080/healthz"
     )
     args = p.parse_args(argv)
+    # kopf names itself after the login user (getpass.getuser()); an arbitrary
+    # non-root UID without a passwd entry, as in the chart, would crash it.
+    os.environ.setdefault("USER", "rekindle-operator")
     kopf.configure(verbose=args.verbose)
     import rekindle_operator.handlers  # noqa: F401  (registers the handlers)
 

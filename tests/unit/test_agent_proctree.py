@@ -38,3 +38,18 @@ def test_real_tree_and_kill() -> None:
             p.kill()
     assert proctree.alive(os.getpid())
     assert sys.executable
+
+
+def test_reaper_run_and_orphans() -> None:
+    from rekindle_agent.reaper import Reaper
+
+    r = Reaper()
+    try:
+        res = r.run([sys.executable, "-c", "import sys; print('hi'); sys.exit(3)"], timeout=30)
+        assert (res.returncode, res.output.strip()) == (3, "hi")
+        pid = r.spawn([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), 9)"])
+        assert r.wait(pid, 30) == -9
+    finally:
+        r.stop()
+    p = subprocess.Popen([sys.executable, "-c", "raise SystemExit(5)"])
+    assert p.wait(30) == 5  # after stop() the reaper no longer steals statuses

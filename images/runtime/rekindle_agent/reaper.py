@@ -43,13 +43,15 @@ class Reaper:
         self._thread.start()
 
     def _loop(self) -> None:
+        # Polling (not a blocking waitpid) so that stop() takes effect at once and
+        # no child exiting after it is reaped behind its owner's back.
         while not self._stop:
             try:
-                pid, status = os.waitpid(-1, 0)
+                pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
-                time.sleep(0.05)
-                continue
-            except InterruptedError:
+                pid = 0
+            if pid == 0:
+                time.sleep(0.02)
                 continue
             with self._cond:
                 self._status[pid] = os.waitstatus_to_exitcode(status)
@@ -57,6 +59,8 @@ class Reaper:
 
     def stop(self) -> None:
         self._stop = True
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=2)
 
     def spawn(
         self,

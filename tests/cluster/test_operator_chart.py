@@ -54,7 +54,19 @@ def release(namespace: str) -> Iterator[str]:
         "180s",
         check=False,
     )
-    assert r.returncode == 0, r.stdout + r.stderr
+    if r.returncode != 0:
+        logs = kubectl(
+            "logs", "-n", namespace, f"deploy/{name}-rekindle", "--tail=40", check=False
+        ).stdout
+        hint = ""
+        if "Network is unreachable" in logs:
+            hint = (
+                "\npods have no route to the Service CIDR (the kubernetes Service): the cluster's "
+                'CNI config needs a route to it, e.g. "routes": [{"dst": "10.96.0.0/16"}] '
+                "in the bridge plugin's ipam (scripts/local-cluster)"
+            )
+        helm("uninstall", name, "-n", namespace, check=False)
+        pytest.fail(f"helm install failed: {r.stdout}{r.stderr}{hint}\noperator log:\n{logs}")
     yield name
     for kind in ("checkpoints.rekindle.dev", "inferenceservices.rekindle.dev"):
         kubectl("delete", kind, "--all", "-n", namespace, "--timeout=60s", check=False)

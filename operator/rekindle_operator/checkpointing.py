@@ -176,8 +176,14 @@ def run_checkpoint(
                 "NoReadyPod",
                 f"no ready pod of {isvc_name} within {timeout}s: scale it up and retry",
             )
-        why = "; ".join(skipped) or "none is ready"
-        raise Retry(f"waiting for a pod of {isvc_name} to checkpoint: {why}")
+        why = f"waiting for a pod of {isvc_name} to checkpoint: " + (
+            "; ".join(skipped) or "none is ready"
+        )
+        if status.get("message") != why:
+            _set_status(
+                kube, body, {"phase": CKPT_PENDING, "reason": "WaitingForPod", "message": why}
+            )
+        raise Retry(why)
 
     pod_name = pod["metadata"]["name"]
     path = b.checkpoint_path(isvc_name, meta["name"], meta["uid"])

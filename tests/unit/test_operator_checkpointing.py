@@ -258,6 +258,8 @@ def test_busy_agents_mean_retry() -> None:
     body["metadata"]["creationTimestamp"] = "2999-01-01T00:00:00Z"
     with pytest.raises(cp.Retry, match="Checkpointing"):
         cp.run_checkpoint(kube, body, lambda *e: events.append(e), client_for=agent)
+    st = kube.get("Checkpoint", NS, "c1")["status"]  # type: ignore[index]
+    assert st["phase"] == "Pending" and "agent is Checkpointing" in st["message"]
 
 
 def test_missing_inference_service_fails_at_once() -> None:

@@ -58,19 +58,24 @@ def release(namespace: str) -> Iterator[str]:
         logs = kubectl(
             "logs", "-n", namespace, f"deploy/{name}-rekindle", "--tail=40", check=False
         ).stdout
-        hint = ""
-        if "Network is unreachable" in logs:
-            hint = (
-                "\npods have no route to the Service CIDR (the kubernetes Service): the cluster's "
-                'CNI config needs a route to it, e.g. "routes": [{"dst": "10.96.0.0/16"}] '
-                "in the bridge plugin's ipam (scripts/local-cluster)"
-            )
+        hint = route_hint(logs)
         helm("uninstall", name, "-n", namespace, check=False)
         pytest.fail(f"helm install failed: {r.stdout}{r.stderr}{hint}\noperator log:\n{logs}")
     yield name
     for kind in ("checkpoints.rekindle.dev", "inferenceservices.rekindle.dev"):
         kubectl("delete", kind, "--all", "-n", namespace, "--timeout=60s", check=False)
     helm("uninstall", name, "-n", namespace, check=False)
+
+
+def route_hint(logs: str) -> str:
+    """The local cluster's pods need a route to the Service CIDR to reach the apiserver."""
+    if "Network is unreachable" not in logs:
+        return ""
+    return (
+        "\npods have no route to the Service CIDR (the kubernetes Service): the cluster's CNI "
+        'config needs one, e.g. "routes": [{"dst": "10.96.0.0/16"}] in the bridge plugin\'s '
+        "ipam (scripts/local-cluster)"
+    )
 
 
 def operator_logs(namespace: str, release: str) -> str:
@@ -97,7 +102,8 @@ def test_chart_operator_reconciles_with_its_own_rbac(namespace: str, release: st
             120,
         )
     except AssertionError as e:
-        raise AssertionError(f"{e}\noperator log:\n{operator_logs(namespace, release)}") from e
+        logs = operator_logs(namespace, release)
+        raise AssertionError(f"{e}{route_hint(logs)}\noperator log:\n{logs}") from e
     assert obj["status"]["selector"] == "rekindle.dev/inferenceservice=zero"
     for kind, name in (
         ("deploy", "zero"),

@@ -19,7 +19,6 @@ MANAGED_BY = "rekindle-operator"
 # out of rotation (for a checkpoint) without its ReplicaSet replacing it, because
 # the Deployment's selector does not include it.
 SERVING_LABEL = "rekindle.dev/serving"
-CHECKPOINT_LABEL = "rekindle.dev/checkpoint"
 
 # Annotations.
 ANN_FINGERPRINT = "rekindle.dev/fingerprint"  # on the pod template: the spec it runs
@@ -28,7 +27,6 @@ ANN_BOOT_PATH = "rekindle.dev/boot-path"  # on pods: restored|booted, mirrored f
 ANN_BOOT_REASON = "rekindle.dev/boot-reason"
 
 # Phases.
-ISVC_PHASES = ("Pending", "Progressing", "Ready", "Degraded", "Failed")
 CKPT_PENDING = "Pending"
 CKPT_RUNNING = "Running"
 CKPT_READY = "Ready"
@@ -39,8 +37,3 @@ COND_READY = "Ready"
 COND_CHECKPOINT_READY = "CheckpointReady"
 COND_SHM_SIZED = "SharedMemorySized"
 COND_RESTORED = "Restored"
-
-
-def owned_name(isvc_name: str, suffix: str = "") -> str:
-    """Name of an object the operator creates for an InferenceService."""
-    return f"{isvc_name}-{suffix}" if suffix else isvc_name

@@ -52,10 +52,6 @@ def ask_agent(url: str, token: str) -> tuple[dict[str, Any] | None, str | None]:
         return None, f"agent status unavailable: {e}"
 
 
-def checkpoints_of(kube: Kube, namespace: str) -> list[dict[str, Any]]:
-    return kube.list("Checkpoint", namespace)
-
-
 def update_pointer(
     kube: Kube, body: Body, spec: IsvcSpec, checkpoints: list[dict[str, Any]]
 ) -> str | None:
@@ -138,7 +134,7 @@ def reconcile(kube: Kube, body: Body, emit: Emit, ask: AgentAsk = ask_agent) -> 
     need = shm_need(spec)
     shm_error = b.shm_shortfall(spec, need)
     shm_bytes = b.effective_shm_bytes(spec, need)
-    checkpoints = checkpoints_of(kube, spec.namespace)
+    checkpoints = kube.list("Checkpoint", spec.namespace)
     mark_stale(kube, spec, checkpoints, emit)
     in_use = None
     if shm_error is None:

@@ -7,7 +7,7 @@ dict, and the transitions worth an Event.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -220,7 +220,3 @@ def transitions(old: Body, new: Body) -> list[tuple[str, str, str]]:
             kind = "Normal" if ok else "Warning"
             events.append((kind, f"{c['type']}{c['reason']}", str(c["message"])[:1000]))
     return events
-
-
-def pods_summary(pods: Iterable[PodBoot]) -> str:
-    return ", ".join(f"{p.name}:{p.origin}" for p in pods)

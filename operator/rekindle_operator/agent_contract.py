@@ -9,6 +9,8 @@ is the one file to adapt.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -135,7 +137,4 @@ def manifest_summary(manifest: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _fingerprint_digest(fp: dict[str, Any]) -> str:
-    import hashlib
-    import json
-
     return hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:16]

@@ -6,6 +6,7 @@ an empty /dev/shm (rekindle_agent.harness), like a new pod:
   stock    restore with stock CRIU (copying restore), no prefetch; checksums
            verified up front
   stock+prefetch  the same CRIU with the prefetch (separates the two gains)
+  patched-size    (only when asked for) patched without the content check
   patched  restore with the patched CRIU (--mmap-restore when it has it) and
            the parallel prefetch, checksums verified while restoring
 each with a warm and a cold page cache (`echo 3 > /proc/sys/vm/drop_caches`),
@@ -35,6 +36,9 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "stock": ("--mmap-restore", "off", "--no-prefetch"),
     "stock+prefetch": ("--mmap-restore", "off", "--prefetch"),
     "patched": ("--mmap-restore", "auto", "--prefetch"),
+    # Not run by default: the same without checking file contents (sizes only), to
+    # show what the crc32 check costs.
+    "patched-size": ("--mmap-restore", "auto", "--prefetch", "--verify-checksums", "size"),
 }
 RESTORE_PHASES = (
     "validate",
@@ -132,7 +136,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         }
     for cache in ("warm", "cold"):
         naive = out.get(f"naive/{cache}")
-        for v in ("stock", "stock+prefetch", "patched"):
+        for v in ("stock", "stock+prefetch", "patched", "patched-size"):
             s = out.get(f"{v}/{cache}")
             if naive and s:
                 s["speedup_vs_naive"] = naive["ttft_median"] / s["ttft_median"]
@@ -230,6 +234,7 @@ def run_bench(args: argparse.Namespace) -> int:
     prefix = Path(args.criu_prefix)
     criu = {"stock": prefix / "stock" / "criu", "patched": prefix / "patched" / "criu"}
     criu["stock+prefetch"] = criu["stock"]
+    criu["patched-size"] = criu["patched"]
     for p in criu.values():
         if not os.access(p, os.X_OK):
             print(f"no CRIU at {p}: run scripts/build-criu and pass its output", file=sys.stderr)

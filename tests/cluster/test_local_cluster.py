@@ -205,3 +205,38 @@ def test_service_routes_to_its_pod(namespace: str, smoke_image: str) -> None:
 
     # kube-proxy programs the Service's rules a moment after the endpoints appear.
     wait_until("the Service to answer from its pod", answers, 60)
+
+
+def test_pods_reach_the_apiserver_and_nothing_else(namespace: str, smoke_image: str) -> None:
+    """In-cluster clients (the chart's operator) need the kubernetes Service; the
+    network rule needs pods confined to this machine: routes to the pod network,
+    the Services and this node only, no default route. (Checked on the routing
+    table: the test itself sends nothing off this machine.)"""
+    kubectl(
+        "run",
+        "probe",
+        "-n",
+        namespace,
+        f"--image={smoke_image}",
+        "--image-pull-policy=Never",
+        "--restart=Never",
+        "--command",
+        "--",
+        "sh",
+        "-c",
+        "echo | nc -w 3 10.96.0.1 443 && echo api-ok; ip -4 route",
+    )
+    wait_until(
+        "the probe pod to finish",
+        lambda: (
+            kubectl_json("get", "pod", "probe", "-n", namespace)["status"]["phase"]
+            in ("Succeeded", "Failed")
+        ),
+        90,
+    )
+    out = kubectl("logs", "-n", namespace, "probe").stdout.splitlines()
+    assert out[0] == "api-ok"
+    node = kubectl_json("get", "nodes")["items"][0]
+    node_ip = next(a["address"] for a in node["status"]["addresses"] if a["type"] == "InternalIP")
+    destinations = {line.split()[0] for line in out[1:]}
+    assert destinations == {"10.96.0.0/16", "10.244.0.0/24", node_ip}

@@ -149,12 +149,28 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
             )
             if secs:
                 print("  phases: " + ", ".join(f"{k} {v:.2f}s" for k, v in secs.items()))
-            return 0
+            return _wait_in_use(kube, ns, args.name, name, deadline)
         if phase == CKPT_FAILED:
             print(f"Failed ({st.get('reason')}): {st.get('message')}", file=sys.stderr)
             return 1
         time.sleep(1)
     print(f"timed out after {args.timeout:.0f}s waiting for {name}", file=sys.stderr)
+    return 1
+
+
+def _wait_in_use(kube: Any, ns: str, isvc: str, ckpt: str, deadline: float) -> int:
+    """Return once the InferenceService's status names ckpt, so the next scale-up restores.
+
+    The operator refreshes that status every few seconds; without this wait a
+    script that scales right after `checkpoint --wait` could still boot naively.
+    """
+    while time.monotonic() < deadline:
+        current = ((kube.get(ISVC_KIND, ns, isvc) or {}).get("status") or {}).get("checkpoint")
+        if current == ckpt:
+            print(f"new replicas of {isvc} restore from {ckpt}")
+            return 0
+        time.sleep(1)
+    print(f"{ckpt} is Ready but {isvc} does not use it yet (spec changed?)", file=sys.stderr)
     return 1
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import shutil
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -76,6 +77,9 @@ def ready_with(ns: str, origin: str, timeout: float = 600) -> dict[str, Any]:
 
 
 def completions(url: str) -> list[str]:
+    # A pod that just came (back) into the Service is reachable only once
+    # kube-proxy has synced its endpoints; until then the ClusterIP refuses.
+    wait_until("the Service to accept connections", lambda: accepts(url), 60)
     out = []
     for p in PROMPTS:
         r = http_json(
@@ -84,6 +88,15 @@ def completions(url: str) -> list[str]:
         )
         out.append(r["choices"][0]["text"])
     return out
+
+
+def accepts(url: str) -> bool:
+    host, port = url.removeprefix("http://").split(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=2).close()
+        return True
+    except OSError:
+        return False
 
 
 def scale(ns: str, n: int) -> None:

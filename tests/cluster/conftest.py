@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import subprocess
-import uuid
 from collections.abc import Iterator
 
 import pytest
 
-from tests.cluster.kube import ENV, SCRIPTS, kubectl, wait_until
+from tests.cluster.kube import ENV, SCRIPTS, create_namespace, kubectl
 
 
 @pytest.fixture(scope="session")
@@ -25,14 +24,7 @@ def cluster() -> dict[str, str]:
 @pytest.fixture()
 def namespace(cluster: dict[str, str]) -> Iterator[str]:
     """A fresh namespace per test, deleted (with everything in it) afterwards."""
-    name = f"t-{uuid.uuid4().hex[:8]}"
-    kubectl("create", "namespace", name)
-    # Pods cannot be created until the namespace's default ServiceAccount exists.
-    wait_until(
-        "the default ServiceAccount",
-        lambda: kubectl("get", "sa", "default", "-n", name, check=False).returncode == 0,
-        60,
-    )
+    name = create_namespace("t")
     yield name
     kubectl("delete", "namespace", name, "--wait=false", check=False)
 

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -60,3 +61,15 @@ def wait_until(what: str, cond: Callable[[], bool], timeout: float = 120) -> Non
             return
         time.sleep(0.5)
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def create_namespace(prefix: str) -> str:
+    """A new, uniquely named namespace, ready for pods (its default ServiceAccount exists)."""
+    name = f"{prefix}-{uuid.uuid4().hex[:8]}"
+    kubectl("create", "namespace", name)
+    wait_until(
+        "the default ServiceAccount",
+        lambda: kubectl("get", "sa", "default", "-n", name, check=False).returncode == 0,
+        60,
+    )
+    return name

@@ -14,7 +14,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.cluster.kube import ENV, REPO, kubectl, kubectl_json, wait_until
+from tests.cluster.kube import ENV, REPO, create_namespace, kubectl, kubectl_json
 
 CRDS = REPO / "charts" / "rekindle" / "crds"
 RUNTIME_IMAGE = "rekindle.local/runtime-cpu:dev"
@@ -97,14 +96,8 @@ class OperatorProcess:
 @pytest.fixture(scope="module")
 def op_namespace(cluster: dict[str, str]) -> Iterator[str]:
     """One namespace for a module (vLLM boots are expensive: tests share them)."""
-    name = f"rk-{uuid.uuid4().hex[:8]}"
     install_crds()
-    kubectl("create", "namespace", name)
-    wait_until(
-        "the default ServiceAccount",
-        lambda: kubectl("get", "sa", "default", "-n", name, check=False).returncode == 0,
-        60,
-    )
+    name = create_namespace("rk")
     yield name
     # Finalizers left by a stopped operator must not keep the namespace alive.
     for kind in ("checkpoints.rekindle.dev", "inferenceservices.rekindle.dev"):

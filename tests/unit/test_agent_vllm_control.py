@@ -66,7 +66,16 @@ def test_cpu_sequence(fake: str) -> None:
         _rpc("rekindle_dump_weights", "/ck/weights"),
         _rpc("rekindle_release_weights"),
         _rpc("rekindle_reload_weights", "/ck/weights"),
+        ("/reset_prefix_cache", None),
     ]
+
+
+def test_wake_skips_the_reload_checksums_when_told(fake: str) -> None:
+    VllmControl(fake, "cpu").wake("/ck/weights", verify=False)
+    assert _Fake.seen[0] == (
+        "/collective_rpc",
+        {"method": "rekindle_reload_weights", "args": ["/ck/weights"], "kwargs": {"verify": False}},
+    )
 
 
 def test_gpu_sequence_is_vllms_documented_level2_wake(fake: str) -> None:
@@ -79,6 +88,7 @@ def test_gpu_sequence_is_vllms_documented_level2_wake(fake: str) -> None:
         ("/wake_up?tags=weights", None),
         _rpc("rekindle_reload_weights", "/ck/weights"),
         ("/wake_up?tags=kv_cache", None),
+        ("/reset_prefix_cache", None),
     ]
     assert c.complete_one("tiny") == " the"
     assert _Fake.seen[-1][1] == {

@@ -25,6 +25,9 @@ PROMPTS = [
     "Checkpoint and restore",
     "A winter garden in the city",
     "Tokens flow through the kernel",
+    # Longer than a KV block (~260 tokens): after a restore this prompt would hit
+    # the prefix cache, whose blocks' content was released with the KV cache.
+    "The river flows past the stone bridge into the winter garden of the city, " * 12,
 ]
 
 

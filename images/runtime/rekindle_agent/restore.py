@@ -169,7 +169,8 @@ def restore(agent: Agent, ckpt: Path, *, require_verified: bool, mmap: bool) -> 
         control = VllmControl(url, cfg.device)
         if man.get("weights", {}).get("released"):
             try:
-                control.wake(str(ckpt / api.WEIGHTS_SUBDIR))
+                # Content was checked above (prefetch or up front) unless only sizes were.
+                control.wake(str(ckpt / api.WEIGHTS_SUBDIR), verify=verify == "size")
             except VllmCallError as e:
                 raise RestoreError("wake_failed", str(e)) from e
             t = mark("reload_weights", t)

@@ -3,12 +3,12 @@
 CPU: vLLM has no sleep mode there (`/sleep` and `/wake_up` are no-ops), so the
 weights extension does the work over `/collective_rpc`:
   checkpoint  rekindle_dump_weights(dir) once, then rekindle_release_weights()
-  restore     rekindle_reload_weights(dir)
+  restore     rekindle_reload_weights(dir), POST /reset_prefix_cache
 GPU (vLLM's documented level-2 sleep; vllm-facts.md §1):
   checkpoint  rekindle_dump_weights(dir), then POST /sleep?level=2 (weights and
               KV cache dropped from the GPU; cuda-checkpoint then moves what is left)
   restore     POST /wake_up?tags=weights, rekindle_reload_weights(dir),
-              POST /wake_up?tags=kv_cache
+              POST /wake_up?tags=kv_cache, POST /reset_prefix_cache
 The reload replaces vLLM's `reload_weights` (which re-reads the original model
 files) with the flat dump made at checkpoint time.
 """
@@ -60,8 +60,11 @@ class VllmControl:
             raise VllmCallError(path, None, str(e)) from e
         return json.loads(raw) if raw else None
 
-    def rpc(self, method: str, *args: str) -> Any:
-        return self._post("/collective_rpc", {"method": method, "args": list(args)})
+    def rpc(self, method: str, *args: str, **kwargs: object) -> Any:
+        body: dict[str, object] = {"method": method, "args": list(args)}
+        if kwargs:
+            body["kwargs"] = kwargs
+        return self._post("/collective_rpc", body)
 
     def release(self, weights_dir: str) -> dict[str, float]:
         """Dump the weights once, then free weights and KV cache; phase seconds."""
@@ -77,15 +80,25 @@ class VllmControl:
         t["release"] = time.monotonic() - t0
         return t
 
-    def wake(self, weights_dir: str) -> dict[str, float]:
-        """Bring weights (and, on GPU, the KV cache) back after a restore; phase seconds."""
+    def wake(self, weights_dir: str, verify: bool = True) -> dict[str, float]:
+        """Bring weights (and, on GPU, the KV cache) back after a restore; phase seconds.
+
+        verify=False when the caller already checked the weight file's content
+        (the restore's prefetch does), so it is not read for checksums twice.
+        The KV cache came back empty, so the prefix cache's entries point at
+        blocks whose content is gone: reset it before serving.
+        """
         t = {}
         t0 = time.monotonic()
         if self.device == "cuda":
             self._post("/wake_up?tags=weights")
-        self.rpc(RELOAD, weights_dir)
+        if verify:
+            self.rpc(RELOAD, weights_dir)
+        else:
+            self.rpc(RELOAD, weights_dir, verify=False)
         if self.device == "cuda":
             self._post("/wake_up?tags=kv_cache")
+        self._post("/reset_prefix_cache")
         t["reload_weights"] = time.monotonic() - t0
         return t
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -103,25 +102,6 @@ def http_json(method: str, url: str, body: object | None = None, timeout: float 
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         raw = resp.read()
     return json.loads(raw) if raw else None
-
-
-def wait_healthy(url: str, timeout: float, is_alive: object = None) -> None:
-    """Poll GET {url}/health until 200; raise TimeoutError, or early if the server died.
-
-    is_alive: optional callable returning False once the server process exited.
-    """
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if callable(is_alive) and not is_alive():
-            raise RuntimeError("vLLM exited before it became healthy")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"vLLM at {url} not healthy after {timeout:.0f}s")
 
 
 def complete(url: str, model: str, prompt: str, max_tokens: int = 16, timeout: float = 60) -> str:

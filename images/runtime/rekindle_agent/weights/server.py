@@ -17,14 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rekindle_agent.vllm_server import (
-    VllmConfig,
-    base_url,
-    http_json,
-    vllm_command,
-    vllm_env,
-    wait_healthy,
-)
+from rekindle_agent.vllm_control import wait_health
+from rekindle_agent.vllm_server import VllmConfig, base_url, http_json, vllm_command, vllm_env
 
 
 class RpcError(RuntimeError):
@@ -84,7 +78,7 @@ def running_vllm(
     server = VllmServer(cfg, proc, log)
     try:
         try:
-            wait_healthy(server.url, timeout, is_alive=lambda: proc.poll() is None)
+            wait_health(server.url, timeout, alive=lambda: proc.poll() is None)
         except (RuntimeError, TimeoutError) as e:
             tail = log.read_text(errors="replace")[-3000:]
             raise RuntimeError(f"{e}; last lines of {log}:\n{tail}") from e

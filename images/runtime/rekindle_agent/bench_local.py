@@ -161,19 +161,7 @@ def table(summary: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-PHASE_ORDER = (
-    "agent_start",
-    "vllm_boot",
-    "validate",
-    "checksums",
-    "shm",
-    "criu_restore",
-    "health",
-    "prefetch_wait",
-    "reload_weights",
-    "first_token",
-    "first_request",
-)
+PHASE_ORDER = ("agent_start", "vllm_boot", *RESTORE_PHASES, "first_request")
 
 
 def plot(summary: dict[str, Any], path: Path) -> None:

@@ -29,20 +29,6 @@ class ManifestError(ValueError):
         self.reason = reason
 
 
-def sha256_file(path: Path | str, chunk: int = READ_CHUNK) -> str:
-    """Hashing releases the GIL for large buffers, so threads hash in parallel."""
-    h = hashlib.sha256()
-    buf = bytearray(chunk)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while True:
-            n = f.readinto(buf)
-            if not n:
-                break
-            h.update(view[:n])
-    return h.hexdigest()
-
-
 def digest_file(path: Path | str, chunk: int = READ_CHUNK) -> tuple[str, str]:
     """(sha256, crc32) in one read: the manifest's record and the restore's fast check."""
     h = hashlib.sha256()

@@ -279,11 +279,9 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def add_bench_local(sub: argparse._SubParsersAction) -> None:
-    bench = sub.choices.get("bench")  # shared with `rekindle bench weights`
-    if bench is None:
-        bench = sub.add_parser("bench", help="benchmarks")
-        bench.add_subparsers(dest="bench_cmd", required=True)
-    bsub = next(a for a in bench._actions if isinstance(a, argparse._SubParsersAction))
+    from rekindle_agent.cli import bench_subcommands
+
+    bsub = bench_subcommands(sub)
     p = bsub.add_parser("local", help="naive boot vs CRIU restore on this machine")
     p.add_argument("--criu-prefix", default="", help="scripts/build-criu's output directory")
     p.add_argument("--model", help="model directory (default: generate the tiny model)")

@@ -28,6 +28,15 @@ def _add_model(sub: argparse._SubParsersAction) -> None:
     tiny.set_defaults(func=_cmd_model_tiny)
 
 
+def bench_subcommands(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
+    """The `rekindle bench` group, created once; each benchmark adds itself under it."""
+    bench = sub.choices.get("bench")
+    if bench is None:
+        bench = sub.add_parser("bench", help="benchmarks")
+        bench.add_subparsers(dest="bench_cmd", required=True)
+    return next(a for a in bench._actions if isinstance(a, argparse._SubParsersAction))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rekindle", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)

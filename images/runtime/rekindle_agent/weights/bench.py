@@ -558,12 +558,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_bench_weights(sub: argparse._SubParsersAction) -> None:
-    """Add `weights` under `rekindle bench` (creating `bench` if no one else did)."""
-    bench = sub.choices.get("bench")
-    if bench is None:
-        bench = sub.add_parser("bench", help="benchmarks")
-        bench.add_subparsers(dest="bench_cmd", required=True)
-    bsub = next(a for a in bench._actions if isinstance(a, argparse._SubParsersAction))
+    """Add `weights` under `rekindle bench`."""
+    from rekindle_agent.cli import bench_subcommands
+
+    bsub = bench_subcommands(sub)
     p = bsub.add_parser("weights", help="weight reload throughput vs page cache and loaders")
     p.add_argument("--sizes", default="1,4,8", help="synthetic weight sets, GiB, comma-separated")
     p.add_argument("--trials", type=int, default=3)

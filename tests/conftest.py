@@ -20,7 +20,7 @@ def repo_root() -> Path:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The project's own seeded tiny Llama (nothing is downloaded)."""
-    from rekindle_agent.model import generate_tiny_model
+    from rekindle_dev.models import generate_tiny_model
 
     return generate_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
 

@@ -11,7 +11,7 @@ import secrets
 from collections.abc import Mapping
 from typing import Any
 
-from rekindle_operator import agent_contract as ac
+from rekindle_operator import agent_command as ac
 from rekindle_operator.constants import (
     ANN_FINGERPRINT,
     ANN_RESTART,
@@ -24,7 +24,7 @@ from rekindle_operator.constants import (
     SERVING_LABEL,
 )
 from rekindle_operator.quantity import mib_str, to_bytes
-from rekindle_operator.shm import ShmBudget
+from rekindle_operator.shm_sizing import ShmBudget
 from rekindle_operator.spec import IsvcSpec
 
 Obj = dict[str, Any]

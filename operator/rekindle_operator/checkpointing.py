@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from rekindle_operator import agent_contract as ac
+from rekindle_operator import agent_command as ac
 from rekindle_operator import builders as b
 from rekindle_operator.constants import (
     CKPT_FAILED,
@@ -25,7 +25,7 @@ from rekindle_operator.constants import (
     ISVC_KIND,
     SERVING_LABEL,
 )
-from rekindle_operator.fingerprint import spec_fingerprint
+from rekindle_operator.spec_fingerprint import spec_fingerprint
 from rekindle_operator.kube import Kube
 from rekindle_operator.quantity import human_bytes
 from rekindle_operator.reconcile import Emit, agent_url, read_token, spec_of, update_pointer

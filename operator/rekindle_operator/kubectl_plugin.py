@@ -267,7 +267,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from rekindle_operator import bench
+    from rekindle_operator import cluster_bench as bench
 
     kube, ns = _kube(args), _namespace(args)
     trials = bench.run(kube, ns, args.name, args.trials, progress=lambda m: print(m, flush=True))

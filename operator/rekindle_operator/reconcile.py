@@ -11,13 +11,13 @@ import base64
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from rekindle_operator import agent_contract as ac
+from rekindle_operator import agent_command as ac
 from rekindle_operator import builders as b
 from rekindle_operator.constants import ANN_BOOT_PATH, ANN_BOOT_REASON
-from rekindle_operator.fingerprint import spec_fingerprint
+from rekindle_operator.spec_fingerprint import spec_fingerprint
 from rekindle_operator.kube import Kube
 from rekindle_operator.selection import newest_usable, stale_changes
-from rekindle_operator.shm import shm_need
+from rekindle_operator.shm_sizing import shm_need
 from rekindle_operator.spec import IsvcSpec, SpecError, parse_spec
 from rekindle_operator.status import Observed, PodBoot, compute_status, pod_boot, transitions
 

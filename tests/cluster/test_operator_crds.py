@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import yaml
 from rekindle_operator import builders as b
-from rekindle_operator.fingerprint import spec_fingerprint
-from rekindle_operator.shm import shm_need
+from rekindle_operator.spec_fingerprint import spec_fingerprint
+from rekindle_operator.shm_sizing import shm_need
 from rekindle_operator.spec import parse_spec
 
 from tests.cluster.kube import REPO, helm, kubectl, kubectl_json

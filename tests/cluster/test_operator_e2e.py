@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 from rekindle_operator.quantity import to_bytes
-from rekindle_operator.shm import shm_need
+from rekindle_operator.shm_sizing import shm_need
 from rekindle_operator.spec import parse_spec
 
 from tests.cluster.kube import kubectl, kubectl_json, wait_until

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from aiohttp import ClientSession, web
 from aiohttp.test_utils import TestServer
-from rekindle_agent import api
+from rekindle_contract import api
 from rekindle_agent.agent import Agent
 from rekindle_agent.config import AgentConfig
 from rekindle_agent.server import Proxy, admin_app, proxy_app

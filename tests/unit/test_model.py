@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rekindle_agent.model import TinyModelSpec, generate_tiny_model, model_digest
+from rekindle_dev.models import TinyModelSpec, generate_tiny_model, model_digest
 
 
 def test_same_seed_same_files_other_seed_other_weights(tmp_path: Path, tiny_model: Path) -> None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import base64
 
 import pytest
-from rekindle_operator import agent_contract as ac
+from rekindle_operator import agent_command as ac
 from rekindle_operator import builders as b
 from rekindle_operator.constants import NAME_LABEL, SERVING_LABEL
 from rekindle_operator.quantity import to_bytes
-from rekindle_operator.shm import shm_need
+from rekindle_operator.shm_sizing import shm_need
 from rekindle_operator.spec import IsvcSpec, parse_spec
 
 OWNER = {"kind": "InferenceService", "metadata": {"name": "tiny", "uid": "u-1"}}

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from rekindle_operator import builders as b
 from rekindle_operator import checkpointing as cp
-from rekindle_operator.fingerprint import spec_fingerprint
+from rekindle_operator.spec_fingerprint import spec_fingerprint
 from rekindle_operator.kube import KubeError
 from rekindle_operator.reconcile import reconcile, spec_of
 

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from rekindle_operator import bench
+from rekindle_operator import cluster_bench as bench
 from rekindle_operator.kubectl_plugin import (
     build_parser,
     checkpoint_object,

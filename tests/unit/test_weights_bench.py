@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from rekindle_agent.cli import build_parser
+from rekindle_dev.cli import build_parser
 from rekindle_agent.weights import bench
 
 

@@ -11,9 +11,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from rekindle_agent.weights import format as fmt  # noqa: E402
-from rekindle_agent.weights.dump import dump_tensors  # noqa: E402
-from rekindle_agent.weights.reload import (  # noqa: E402
+from rekindle_weights import format as fmt  # noqa: E402
+from rekindle_weights.dump import dump_tensors  # noqa: E402
+from rekindle_weights.reload import (  # noqa: E402
     HostCopyEngine,
     ReloadOptions,
     plan_chunks,

@@ -1,6 +1,6 @@
 """Real-vLLM fixtures: the agent as a subprocess, in a fresh PID + mount namespace like a pod.
 
-The launching itself is rekindle_agent.harness (shared with `rekindle bench local`).
+The launching itself is rekindle_dev.harness (shared with `rekindle bench local`).
 Agents run under `unshare --pid --fork --mount-proc --mount` with their own
 tmpfs on /dev/shm, so a restore sees an empty /dev/shm and free PIDs exactly
 as in a new pod, and the host's /dev/shm is never touched. Killing the
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rekindle_agent.harness import AgentFactory, AgentProc
+from rekindle_dev.harness import AgentFactory, AgentProc
 
 __all__ = ["PROMPTS", "AgentFactory", "AgentProc", "edit_manifest", "shadow_checkpoint"]
 

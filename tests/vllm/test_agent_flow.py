@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from rekindle_agent import criu
-from rekindle_agent.api import AgentError
+from rekindle_contract.api import AgentError
 
 from tests.vllm.conftest import (
     PROMPTS,

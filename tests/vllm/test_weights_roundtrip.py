@@ -13,9 +13,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from rekindle_agent.vllm_server import complete
-from rekindle_agent.weights import format as fmt
-from rekindle_agent.weights.server import RpcError, VllmServer, running_vllm
+from rekindle_agent.vllm_launch import complete
+from rekindle_weights import format as fmt
+from rekindle_dev.vllm_runner import RpcError, VllmServer, running_vllm
 
 pytestmark = pytest.mark.vllm
 

@@ -37,7 +37,7 @@ from rekindle_agent.config import AgentConfig, ConfigError, normalize_checkpoint
 from rekindle_agent.metrics import Metrics
 from rekindle_agent.state import Status
 from rekindle_agent.vllm_control import wait_health
-from rekindle_agent.vllm_server import WORKER_EXTENSION, VllmConfig, vllm_command, vllm_env
+from rekindle_agent.vllm_launch import WORKER_EXTENSION, VllmConfig, vllm_command, vllm_env
 
 log = logging.getLogger("rekindle.agent")
 PACKAGE_PARENT = str(Path(__file__).resolve().parents[1])

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from rekindle_agent import api
+from rekindle_contract import api
 
 
 class ConfigError(ValueError):

@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rekindle_agent import api
+from rekindle_contract import api
 
 CHUNK = 8 << 20
 

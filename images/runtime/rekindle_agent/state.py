@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from rekindle_agent import api
+from rekindle_contract import api
 
 # Allowed transitions; anything else is a bug in the agent, not a user error.
 TRANSITIONS: dict[str, set[str]] = {

@@ -14,7 +14,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
-WORKER_EXTENSION = "rekindle_agent.weights.extension.RekindleWorkerExtension"
+WORKER_EXTENSION = "rekindle_agent.vllm_extension.RekindleWorkerExtension"
 
 
 @dataclass(frozen=True)

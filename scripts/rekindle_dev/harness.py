@@ -22,7 +22,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from rekindle_agent.api import AgentClient, StatusReply
+from rekindle_contract.api import AgentClient, StatusReply
 
 RUNTIME_DIR = Path(__file__).resolve().parents[1]
 
@@ -145,7 +145,7 @@ class AgentFactory:
         return [
             sys.executable,
             "-m",
-            "rekindle_agent.cli",
+            "rekindle_dev.cli",
             "agent",
             "--model",
             str(self.model),

@@ -1,7 +1,7 @@
 """Rekindle's vLLM worker extension: dump, release and reload weights over collective_rpc.
 
 Start vLLM with `--worker-extension-cls
-rekindle_agent.weights.extension.RekindleWorkerExtension` (vllm_server.py does)
+rekindle_agent.vllm_extension.RekindleWorkerExtension` (vllm_server.py does)
 and `VLLM_SERVER_DEV_MODE=1`; then `POST /collective_rpc` with
 `{"method": M, "args": [...], "kwargs": {...}}` answers `{"results": [one per worker]}`.
 Every method returns a JSON-serializable dict. The interface (agreed with the agent):
@@ -49,15 +49,15 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rekindle_agent.weights import format as fmt
-from rekindle_agent.weights.dump import dump_tensors
-from rekindle_agent.weights.reload import (
+from rekindle_weights import format as fmt
+from rekindle_weights.dump import dump_tensors
+from rekindle_weights.reload import (
     ReloadOptions,
     load_into,
     release_staging_buffers,
     validate,
 )
-from rekindle_agent.weights.tensors import byte_tensor, host_bytes, model_tensors
+from rekindle_weights.tensors import byte_tensor, host_bytes, model_tensors
 
 if TYPE_CHECKING:
     import torch

@@ -42,9 +42,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rekindle_agent.weights import format as fmt
-from rekindle_agent.weights.dump import dump_tensors
-from rekindle_agent.weights.reload import ReloadOptions, release_staging_buffers, reload_tensors
+from rekindle_weights import format as fmt
+from rekindle_weights.dump import dump_tensors
+from rekindle_weights.reload import ReloadOptions, release_staging_buffers, reload_tensors
 
 if TYPE_CHECKING:
     import torch
@@ -341,8 +341,8 @@ def _importable(module: str) -> bool:
 
 def bench_tiny_vllm(work: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
     """vLLM's reload_weights vs rekindle_reload_weights on a real vLLM CPU server."""
-    from rekindle_agent.model import generate_tiny_model
-    from rekindle_agent.weights.server import running_vllm
+    from rekindle_dev.models import generate_tiny_model
+    from rekindle_dev.vllm_runner import running_vllm
 
     model = Path(args.model) if args.model else generate_tiny_model(work / "tiny-model")
     dump = work / "tiny-dump"
@@ -559,7 +559,7 @@ def run(args: argparse.Namespace) -> int:
 
 def add_bench_weights(sub: argparse._SubParsersAction) -> None:
     """Add `weights` under `rekindle bench`."""
-    from rekindle_agent.cli import bench_subcommands
+    from rekindle_dev.cli import bench_subcommands
 
     bsub = bench_subcommands(sub)
     p = bsub.add_parser("weights", help="weight reload throughput vs page cache and loaders")
@@ -579,7 +579,7 @@ def add_bench_weights(sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Standalone entry (`python -m rekindle_agent.weights.bench weights ...`): needs only torch."""
+    """Standalone entry (`python -m rekindle_dev.bench_weights weights ...`): needs only torch."""
     parser = argparse.ArgumentParser(prog="rekindle")
     add_bench_weights(parser.add_subparsers(dest="cmd", required=True))
     args = parser.parse_args(["bench", *(argv if argv is not None else sys.argv[1:])])

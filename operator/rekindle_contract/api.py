@@ -1,8 +1,6 @@
-"""The agent's HTTP contract: ports, paths, states, the manifest, and a tiny client.
+"""The agent's HTTP API: ports, paths, states, request and reply types, a client.
 
-The operator imports this module, so it must stay stdlib-only: no aiohttp, no
-torch, no vLLM at import time. Everything the operator needs to build a pod's
-command line and to talk to a running agent is here.
+Standard library only: the operator imports it (no aiohttp, torch or vLLM).
 
 Ports (all TCP, in the pod):
   SERVE_PORT (8000)  the OpenAI API, as a reverse proxy in front of vLLM. No
@@ -22,7 +20,9 @@ import json
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
-from typing import Any, Literal, NotRequired, TypedDict
+from typing import Any, Literal, TypedDict
+
+from rekindle_contract.manifest import Manifest
 
 SERVE_PORT = 8000
 ADMIN_PORT = 8081
@@ -34,21 +34,6 @@ PATH_READYZ = "/readyz"
 PATH_STATUS = "/v1/status"
 PATH_CHECKPOINT = "/v1/checkpoint"
 PATH_METRICS = "/metrics"
-
-# Files in the pod (defaults of the agent's flags; see docs/agent.md).
-DEFAULT_TOKEN_FILE = "/var/run/rekindle/token"  # a Secret mounted read-only
-DEFAULT_RUN_DIR = "/tmp/rekindle-agent"  # vLLM's log and TMPDIR; same path in every pod
-TOKEN_ENV = "REKINDLE_AGENT_TOKEN_FILE"
-CRIU_ENV = "REKINDLE_CRIU"
-
-# Checkpoint directory layout.
-MANIFEST_NAME = "manifest.json"
-VERIFIED_NAME = "verified"
-IMAGES_SUBDIR = "images"
-SHM_SUBDIR = "shm"
-FILES_SUBDIR = "files"
-WEIGHTS_SUBDIR = "weights"
-MANIFEST_FORMAT = 1
 
 State = Literal["Booting", "Ready", "Draining", "Checkpointing", "Restoring", "Failed"]
 STATES: tuple[State, ...] = ("Booting", "Ready", "Draining", "Checkpointing", "Restoring", "Failed")
@@ -71,29 +56,30 @@ FALLBACK_REASONS = (
 )
 
 
-class FileEntry(TypedDict):
-    path: str  # relative to the checkpoint directory
-    size: int
-    sha256: str
-    crc32: NotRequired[str]  # 8 hex digits; the fast check a restore uses by default
+class CheckpointRequest(TypedDict):
+    """POST /v1/checkpoint body: where to write (below the agent's --checkpoint-root)."""
+
+    dir: str
 
 
-class Manifest(TypedDict, total=False):
-    """manifest.json of a checkpoint directory (format MANIFEST_FORMAT)."""
+class StatusDoc(TypedDict):
+    """GET /v1/status: the agent's state and how its vLLM came up."""
 
-    format: int
-    created_at: float
-    agent_version: str
-    fingerprint: dict[str, Any]  # what must match for a restore (see fingerprint.py)
-    environment: dict[str, Any]  # recorded, not enforced (kernel, CRIU version, host)
-    vllm: dict[str, Any]  # argv, port, root pid, all pids of the tree, run_dir
-    weights: dict[str, Any]  # released: bool, dir, reason
-    shm_files: list[dict[str, Any]]  # name, size, mode (saved under shm/)
-    extra_files: list[dict[str, Any]]  # absolute path -> saved copy under files/
-    criu: dict[str, Any]  # binary, version, dump flags
-    files: list[FileEntry]
-    timings: dict[str, float]  # seconds per checkpoint phase
-    verified: dict[str, Any]  # set once a restore from it served
+    state: State
+    ready: bool
+    origin: Origin
+    restored_with_mmap: bool
+    checkpoint: str | None  # the checkpoint the running vLLM came from
+    message: str
+    started_at: float  # wall clock when the agent started
+    ready_at: float | None  # wall clock when it last became Ready
+    timings: dict[str, dict[str, float]]  # boot/restore/checkpoint phase seconds
+    last_fallback: dict[str, Any] | None  # reason, message, at
+    last_checkpoint: dict[str, Any] | None  # dir, ok, error or timings
+    weights_rpc: str  # available | unavailable | unknown
+    vllm_pid: int | None
+    inflight: int
+    states: list[str]
 
 
 @dataclass
@@ -158,7 +144,8 @@ class AgentClient:
 
     def checkpoint(self, directory: str, timeout: float = 900.0) -> Manifest:
         """Drain, dump, verify by restoring; returns the manifest. Blocks until done."""
-        out: Manifest = self._call("POST", PATH_CHECKPOINT, {"dir": directory}, timeout=timeout)
+        body: CheckpointRequest = {"dir": directory}
+        out: Manifest = self._call("POST", PATH_CHECKPOINT, body, timeout=timeout)
         return out
 
     def ready(self) -> bool:

@@ -1,7 +1,7 @@
 """`rekindle bench local`: naive boot vs CRIU restore, on this machine, launch to first token.
 
 Every variant runs the real agent as PID 1 of a fresh PID+mount namespace with
-an empty /dev/shm (rekindle_agent.harness), like a new pod:
+an empty /dev/shm (rekindle_dev.harness), like a new pod:
   naive    no checkpoint: vLLM boots
   stock    restore with stock CRIU (copying restore), no prefetch; checksums
            verified up front
@@ -29,7 +29,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from rekindle_agent.harness import AgentFactory, AgentProc
+from rekindle_dev.harness import AgentFactory, AgentProc
 
 VARIANTS: dict[str, tuple[str, ...]] = {
     "naive": ("--restore-policy", "never"),
@@ -231,7 +231,7 @@ def run_bench(args: argparse.Namespace) -> int:
     work.mkdir(parents=True, exist_ok=True)
     model = Path(args.model) if args.model else None
     if model is None:
-        from rekindle_agent.model import generate_tiny_model
+        from rekindle_dev.models import generate_tiny_model
 
         model = generate_tiny_model(work / "tiny")
     factory = AgentFactory(work, model, criu["patched"])
@@ -279,7 +279,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def add_bench_local(sub: argparse._SubParsersAction) -> None:
-    from rekindle_agent.cli import bench_subcommands
+    from rekindle_dev.cli import bench_subcommands
 
     bsub = bench_subcommands(sub)
     p = bsub.add_parser("local", help="naive boot vs CRIU restore on this machine")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 
 def _cmd_model_tiny(args: argparse.Namespace) -> int:
-    from rekindle_agent.model import TinyModelSpec, generate_tiny_model
+    from rekindle_dev.models import TinyModelSpec, generate_tiny_model
 
     out = generate_tiny_model(Path(args.out), TinyModelSpec(seed=args.seed))
     print(out)
@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rekindle", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     from rekindle_agent import agent_cli
-    from rekindle_agent.weights.bench import add_bench_weights
+    from rekindle_dev.bench_weights import add_bench_weights
 
     adders: list[Callable[[argparse._SubParsersAction], None]] = [
         _add_model,

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
-from rekindle_agent.weights import format as fmt
-from rekindle_agent.weights.tensors import byte_tensor, dtype_name, host_bytes, nbytes
+from rekindle_weights import format as fmt
+from rekindle_weights.tensors import byte_tensor, dtype_name, host_bytes, nbytes
 
 if TYPE_CHECKING:
     import torch

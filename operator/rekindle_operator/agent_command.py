@@ -1,6 +1,6 @@
 """Everything the operator assumes about the in-pod agent, in one place.
 
-The agent's own contract module (rekindle_agent.api, stdlib-only) provides the
+The agent's own contract module (rekindle_contract.api, stdlib-only) provides the
 ports, paths, the manifest type and the client; this module adds how the
 operator turns an InferenceService into the agent's command line (flags from
 rekindle_agent/config.py and docs/agent.md). If the agent's flags change, this
@@ -14,8 +14,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from rekindle_agent import api
-from rekindle_agent.api import AgentClient, AgentError, Manifest, StatusReply
+from rekindle_contract import api
+from rekindle_contract.api import AgentClient, AgentError, Manifest, StatusReply
 
 from rekindle_operator.quantity import gib_float
 from rekindle_operator.spec import IsvcSpec
@@ -46,7 +46,7 @@ CHECKPOINT_MOUNT = "/var/lib/rekindle/checkpoints"
 # running ones (env is resolved at container start). Empty: boot normally.
 CHECKPOINT_ENV = "REKINDLE_CHECKPOINT"
 # The runtime images put the agent on PYTHONPATH (not installed): run it as a module.
-AGENT_ENTRYPOINT = ("python", "-m", "rekindle_agent.cli", "agent")
+AGENT_ENTRYPOINT = ("python", "-m", "rekindle_dev.cli", "agent")
 # A restored process tree keeps its sockets; a new pod has a new IP. vLLM's
 # workers must therefore bind only to loopback (single-pod TP): gloo (CPU) and
 # NCCL bootstrap pick the address of the pod's hostname otherwise, and the

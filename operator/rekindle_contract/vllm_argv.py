@@ -89,5 +89,10 @@ def vllm_argv(opts: VllmOptions, python: str = sys.executable) -> list[str]:
     if not opts.prefix_caching:
         cmd.append("--no-enable-prefix-caching")
     if opts.kv_offload_gb:
-        cmd += ["--kv-offloading-backend", "native", "--kv-offloading-size", f"{opts.kv_offload_gb:g}"]
+        cmd += [
+            "--kv-offloading-backend",
+            "native",
+            "--kv-offloading-size",
+            f"{opts.kv_offload_gb:g}",
+        ]
     return cmd + list(opts.extra_args)

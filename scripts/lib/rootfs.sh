@@ -93,5 +93,7 @@ install_project() {
 	[[ $keep == *" rekindle_agent "* ]] || rm -f "$out$venv_path/bin/rekindle"
 	[[ $keep == *" rekindle_operator "* ]] || rm -f "$out$venv_path/bin/kubectl-rekindle"
 	sed -i "1s|^#!.*python.*$|#!$venv_path/bin/python|" "$out$venv_path"/bin/*
+	# Same source, same bytes: the image is keyed by this layer's content.
+	rm -f "$site"/rekindle-*.dist-info/direct_url.json
 	find "$out" -name __pycache__ -prune -exec rm -rf {} +
 }

@@ -13,9 +13,9 @@ K8S_BIN     := $(shell . scripts/lib/common.sh && echo $$REKINDLE_CACHE/kubernet
 export KUBECONFIG := $(shell scripts/local-cluster kubeconfig)
 export PATH       := $(VENV)/bin:$(DEPS_VENV)/bin:$(K8S_BIN):$(PATH)
 PYTEST      := $(PY) -m pytest
-FAST        := not cluster and not criu and not vllm
+FAST        := not cluster and not criu and not vllm and not packaging
 
-.PHONY: help env lint fmt typecheck test test-unit test-criu test-vllm test-cluster \
+.PHONY: help env lint fmt typecheck test test-unit test-packaging test-criu test-vllm test-cluster \
         cluster-up cluster-down cluster-status images demo clean-cache
 
 help: ## list the targets
@@ -34,10 +34,13 @@ fmt: env ## format and autofix with ruff
 	ruff format .
 	ruff check --fix .
 
-test: lint test-unit test-criu test-vllm test-cluster ## everything: lint, unit, CRIU, vLLM and cluster suites
+test: lint test-unit test-packaging test-criu test-vllm test-cluster ## everything: lint, unit, packaging, CRIU, vLLM and cluster suites
 
 test-unit: env ## fast tests: pure logic, no root, no servers (gpu ones skip without CUDA)
 	$(PYTEST) -m "$(FAST)"
+
+test-packaging: env ## pip install '.[operator]' into a clean venv: kubectl-rekindle and --plot work
+	$(PYTEST) -m packaging
 
 test-criu: env ## real CRIU dump/restore (root); builds CRIU on a cache miss
 	scripts/build-criu >/dev/null

@@ -11,7 +11,16 @@ import secrets
 from collections.abc import Mapping
 from typing import Any
 
-from rekindle_operator import agent_command as ac
+from rekindle_contract.api import ADMIN_PORT, PATH_HEALTHZ, PATH_READYZ, SERVE_PORT
+from rekindle_contract.pod import (
+    CHECKPOINT_ENV,
+    CHECKPOINT_MOUNT,
+    LOOPBACK_ENV,
+    TOKEN_DIR,
+    TOKEN_KEY,
+)
+
+from rekindle_operator.agent_command import agent_command
 from rekindle_operator.constants import (
     ANN_FINGERPRINT,
     ANN_RESTART,
@@ -23,8 +32,8 @@ from rekindle_operator.constants import (
     NAME_LABEL,
     SERVING_LABEL,
 )
-from rekindle_operator.quantity import mib_str, to_bytes
-from rekindle_operator.shm_sizing import ShmBudget
+from rekindle_operator.quantity import mib_str
+from rekindle_operator.shm_sizing import memory_limit_bytes
 from rekindle_operator.spec import IsvcSpec
 
 Obj = dict[str, Any]
@@ -89,32 +98,6 @@ def _meta(spec: IsvcSpec, name: str, owner: Mapping[str, Any] | None, component:
     return meta
 
 
-def effective_shm_bytes(spec: IsvcSpec, need: ShmBudget) -> int:
-    """The user's explicit size if given (validated elsewhere), else the computed need."""
-    return to_bytes(spec.shm_size) if spec.shm_size else need.total
-
-
-def shm_shortfall(spec: IsvcSpec, need: ShmBudget) -> str | None:
-    """Why an explicit sharedMemory.size is refused, with the computed need; None if fine."""
-    if spec.shm_size is None:
-        return None
-    have = to_bytes(spec.shm_size)
-    if have >= need.total:
-        return None
-    return (
-        f"spec.sharedMemory.size {spec.shm_size} is below what vLLM will put in /dev/shm: "
-        f"{mib_str(need.total)} (message queues {mib_str(need.message_queues)}, multimodal "
-        f"cache {mib_str(need.multimodal_cache)}, KV offload {mib_str(need.kv_offload)}, "
-        f"NCCL {mib_str(need.nccl)}, headroom {mib_str(need.headroom)}); set it to at least "
-        f"{mib_str(need.total)} or remove it to let the operator size it"
-    )
-
-
-def memory_limit_bytes(spec: IsvcSpec, shm_bytes: int) -> int:
-    """tmpfs pages are charged to the container's memory cgroup: the limit must include them."""
-    return to_bytes(spec.memory) + shm_bytes
-
-
 def build_secret(spec: IsvcSpec, owner: Mapping[str, Any] | None = None, token: str = "") -> Obj:
     """The agent's bearer token; generated once (the handler never replaces an existing one)."""
     token = token or secrets.token_urlsafe(32)
@@ -123,7 +106,7 @@ def build_secret(spec: IsvcSpec, owner: Mapping[str, Any] | None = None, token: 
         "kind": "Secret",
         "metadata": _meta(spec, secret_name(spec.name), owner, "agent-token"),
         "type": "Opaque",
-        "data": {ac.TOKEN_KEY: base64.b64encode(token.encode()).decode()},
+        "data": {TOKEN_KEY: base64.b64encode(token.encode()).decode()},
     }
 
 
@@ -176,7 +159,7 @@ def build_service(spec: IsvcSpec, owner: Mapping[str, Any] | None = None) -> Obj
             "type": "ClusterIP",
             "selector": {**selector_labels(spec.name), SERVING_LABEL: "true"},
             "ports": [
-                {"name": "http", "port": ac.SERVE_PORT, "targetPort": "http", "protocol": "TCP"}
+                {"name": "http", "port": SERVE_PORT, "targetPort": "http", "protocol": "TCP"}
             ],
         },
     }
@@ -203,11 +186,11 @@ def _resources(spec: IsvcSpec, shm_bytes: int) -> Obj:
 
 def build_pod_template(spec: IsvcSpec, shm_bytes: int, fingerprint: str) -> Obj:
     user = dict(spec.env)
-    env: list[Obj] = [{"name": k, "value": v} for k, v in ac.POD_ENV.items() if k not in user]
+    env: list[Obj] = [{"name": k, "value": v} for k, v in LOOPBACK_ENV.items() if k not in user]
     env += [{"name": k, "value": v} for k, v in spec.env]
     env.append(
         {
-            "name": ac.CHECKPOINT_ENV,
+            "name": CHECKPOINT_ENV,
             "valueFrom": {
                 "configMapKeyRef": {
                     "name": configmap_name(spec.name),
@@ -221,19 +204,19 @@ def build_pod_template(spec: IsvcSpec, shm_bytes: int, fingerprint: str) -> Obj:
         "name": CONTAINER,
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
-        "command": ac.agent_command(spec),
+        "command": agent_command(spec),
         "env": env,
         "ports": [
-            {"name": "http", "containerPort": ac.SERVE_PORT, "protocol": "TCP"},
-            {"name": "admin", "containerPort": ac.ADMIN_PORT, "protocol": "TCP"},
+            {"name": "http", "containerPort": SERVE_PORT, "protocol": "TCP"},
+            {"name": "admin", "containerPort": ADMIN_PORT, "protocol": "TCP"},
         ],
         "readinessProbe": {
-            "httpGet": {"path": ac.PATH_READYZ, "port": "admin"},
+            "httpGet": {"path": PATH_READYZ, "port": "admin"},
             "periodSeconds": 2,
             "failureThreshold": 1,
         },
         "livenessProbe": {
-            "httpGet": {"path": ac.PATH_HEALTHZ, "port": "admin"},
+            "httpGet": {"path": PATH_HEALTHZ, "port": "admin"},
             "initialDelaySeconds": 10,
             "periodSeconds": 10,
             "failureThreshold": 6,
@@ -249,8 +232,8 @@ def build_pod_template(spec: IsvcSpec, shm_bytes: int, fingerprint: str) -> Obj:
         },
         "volumeMounts": [
             {"name": "dshm", "mountPath": "/dev/shm"},
-            {"name": "agent-token", "mountPath": ac.TOKEN_MOUNT_DIR, "readOnly": True},
-            {"name": "checkpoints", "mountPath": ac.CHECKPOINT_MOUNT},
+            {"name": "agent-token", "mountPath": TOKEN_DIR, "readOnly": True},
+            {"name": "checkpoints", "mountPath": CHECKPOINT_MOUNT},
         ],
     }
     return {
@@ -316,8 +299,8 @@ def build_cleanup_job(
     are recorded in the Checkpoint's status, so this works after the
     InferenceService is gone too.
     """
-    if not path.startswith(ac.CHECKPOINT_MOUNT + "/") or ".." in path.split("/"):
-        raise ValueError(f"refusing to delete {path!r}: not below {ac.CHECKPOINT_MOUNT}")
+    if not path.startswith(CHECKPOINT_MOUNT + "/") or ".." in path.split("/"):
+        raise ValueError(f"refusing to delete {path!r}: not below {CHECKPOINT_MOUNT}")
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -340,7 +323,7 @@ def build_cleanup_job(
                             "imagePullPolicy": pull_policy,
                             "command": ["rm", "-rf", "--one-file-system", path],
                             "volumeMounts": [
-                                {"name": "checkpoints", "mountPath": ac.CHECKPOINT_MOUNT}
+                                {"name": "checkpoints", "mountPath": CHECKPOINT_MOUNT}
                             ],
                         }
                     ],
@@ -353,4 +336,4 @@ def build_cleanup_job(
 
 def checkpoint_path(isvc: str, checkpoint: str, uid: str) -> str:
     """A fresh directory per Checkpoint object (content is immutable once written)."""
-    return f"{ac.CHECKPOINT_MOUNT}/{isvc}/{checkpoint}-{uid[:8]}"
+    return f"{CHECKPOINT_MOUNT}/{isvc}/{checkpoint}-{uid[:8]}"

@@ -1,151 +1,85 @@
-"""Drive one Checkpoint: pick a pod, take it out of rotation, ask its agent, record.
+"""Drive one Checkpoint in short steps: pick a pod, take it out of rotation, ask its agent, record.
 
-A state machine on status.phase, so the same function serves create, resume
-after an operator restart, and retries: Pending -> Running -> Ready | Failed.
-The phase is written to the apiserver *before* the agent is called, so an
-operator killed mid-checkpoint finds "Running" on restart and recovers: it
-waits for the agent to finish, records the result if the agent reports it,
-else fails the Checkpoint with a clear reason; the pod is put back in rotation
-in every case.
+A state machine on status.phase: Pending -> Running -> Ready | Failed. A timer
+calls step() every few seconds while the phase is unfinished; each call does
+one short piece of work and returns, so the operator's workers stay free for
+every other object while an agent spends minutes draining, dumping and
+verifying. The agent's blocking POST runs in a background thread (pods.py);
+steps look at it, and at the agent's status, until it has answered.
+
+The Running phase, the pod and the path are written to the apiserver before
+the agent is asked, so an operator restarted mid-checkpoint finds "Running"
+and goes on from there: it has no thread of its own for the call any more,
+so it watches the agent's status until the agent is idle and records the
+checkpoint if the agent reports it finished at that path, else fails it with
+a clear reason. The pod is put back in rotation in every case.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Mapping
+import hashlib
+import json
+from collections.abc import Mapping
 from typing import Any
 
-from rekindle_operator import agent_command as ac
+from rekindle_contract.api import StatusReply
+
 from rekindle_operator import builders as b
 from rekindle_operator.constants import (
     CKPT_FAILED,
+    CKPT_KIND,
     CKPT_PENDING,
     CKPT_READY,
     CKPT_RUNNING,
     ISVC_KIND,
     SERVING_LABEL,
 )
-from rekindle_operator.spec_fingerprint import spec_fingerprint
-from rekindle_operator.kube import Kube
+from rekindle_operator.kube import Kube, KubeError
+from rekindle_operator.pods import BUSY_STATES, Agents, CheckpointCall, read_token
 from rekindle_operator.quantity import human_bytes
-from rekindle_operator.reconcile import Emit, agent_url, read_token, spec_of, update_pointer
+from rekindle_operator.reconcile import Emit, spec_of, update_pointer
 from rekindle_operator.selection import ready_pods
+from rekindle_operator.spec_fingerprint import spec_fingerprint
 from rekindle_operator.status import now_iso, parse_time
 
 Body = Mapping[str, Any]
-ClientFactory = Callable[[str, str], Any]  # (base_url, token) -> AgentClient-like
+Status = dict[str, Any]
 
 DEFAULT_TIMEOUT_S = 1800
-BUSY_STATES = ("Draining", "Checkpointing", "Restoring")
+FINISHED = (CKPT_READY, CKPT_FAILED)
 
 
 class Retry(Exception):
-    """Not possible yet (no ready pod); the handler retries after `delay` seconds."""
+    """Not possible yet; the handler retries after `delay` seconds."""
 
     def __init__(self, message: str, delay: float = 10.0) -> None:
         super().__init__(message)
         self.delay = delay
 
 
-def _set_status(kube: Kube, body: Body, status: Mapping[str, Any]) -> None:
+def unfinished(status: Mapping[str, Any] | None) -> bool:
+    return (status or {}).get("phase") not in FINISHED
+
+
+def step(kube: Kube, body: Body, emit: Emit, agents: Agents) -> Status:
+    """Advance one Checkpoint by one short step; returns its status afterwards."""
     meta = body["metadata"]
-    kube.merge_patch(
-        "Checkpoint", meta["namespace"], meta["name"], {"status": dict(status)}, "status"
-    )
-
-
-def _fail(kube: Kube, body: Body, emit: Emit, reason: str, message: str) -> dict[str, Any]:
-    st = {"phase": CKPT_FAILED, "reason": reason, "message": message, "completedAt": now_iso()}
-    _set_status(kube, body, st)
-    emit("Warning", reason, message)
-    return st
-
-
-def set_serving(kube: Kube, namespace: str, pod: str, serving: bool) -> None:
-    """Add or remove the label the Service selects on; a vanished pod is fine."""
-    value = "true" if serving else None
-    try:
-        kube.merge_patch("Pod", namespace, pod, {"metadata": {"labels": {SERVING_LABEL: value}}})
-    except Exception as e:
-        if getattr(e, "status", None) != 404:
-            raise
-
-
-def _adopt(kube: Kube, body: Body, isvc: Body) -> None:
-    """Checkpoint objects go with their InferenceService (its data per deletionPolicy)."""
-    refs = body["metadata"].get("ownerReferences") or []
-    if any(r.get("uid") == isvc["metadata"]["uid"] for r in refs):
-        return
-    ref = {**b.owner_reference({**isvc, "kind": ISVC_KIND}), "controller": False}
-    kube.merge_patch(
-        "Checkpoint",
-        body["metadata"]["namespace"],
-        body["metadata"]["name"],
-        {"metadata": {"ownerReferences": [*refs, ref]}},
-    )
-
-
-def _result_status(manifest: Mapping[str, Any], started: str, how: str) -> dict[str, Any]:
-    """Ready: the agent answers success only after it restored the new checkpoint once."""
-    summary = {**ac.manifest_summary(manifest), "verified": True}
-    total = (parse_time(now_iso()) - parse_time(started)).total_seconds()
-    out = {
-        "phase": CKPT_READY,
-        "reason": "Verified",
-        "message": f"checkpoint written and restored once by the agent{how}",
-        "totalSeconds": total,
-        "completedAt": now_iso(),
-        "stale": False,
-        **summary,
-    }
-    if summary["files"]:
-        out["size"] = human_bytes(summary["sizeBytes"])
-    else:  # recovered from the agent's status: no file list, so no size
-        out.pop("sizeBytes")
-        out.pop("files")
-    return out
-
-
-def _checkpointable(
-    candidates: list[Body], token: str, client_for: ClientFactory
-) -> tuple[Body | None, list[str]]:
-    """The best candidate whose agent is Ready, and why the others were passed over.
-
-    Pods whose vLLM was not restored with the mmap restore come first: only the
-    patched CRIU can dump memory still mapped from an old image (the agent
-    answers 409 otherwise, which then fails the Checkpoint with its reason).
-    """
-    skipped = []
-    ready: list[tuple[bool, Body]] = []
-    for pod in candidates:
-        name = pod["metadata"]["name"]
-        try:
-            reply = client_for(agent_url(pod), token).status()
-        except Exception as e:
-            skipped.append(f"pod {name}: agent not answering ({e})")
-            continue
-        if reply.state != "Ready":
-            skipped.append(f"pod {name}: agent is {reply.state}, not Ready")
-            continue
-        ready.append((bool(reply.raw.get("restored_with_mmap")), pod))
-    if not ready:
-        return None, skipped
-    return min(ready, key=lambda r: r[0])[1], skipped
-
-
-def run_checkpoint(
-    kube: Kube,
-    body: Body,
-    emit: Emit,
-    client_for: ClientFactory = ac.AgentClient,
-    poll_s: float = 2.0,
-) -> dict[str, Any]:
-    """Advance one Checkpoint as far as possible; returns the status it ended with."""
-    meta, spec = body["metadata"], body.get("spec") or {}
-    status = dict(body.get("status") or {})
+    # The caller's copy may predate this operator's own last write: read it fresh.
+    current = kube.get(CKPT_KIND, meta["namespace"], meta["name"])
+    if current is None or current["metadata"].get("deletionTimestamp"):
+        return dict((current or body).get("status") or {})
+    status = dict(current.get("status") or {})
     phase = status.get("phase") or CKPT_PENDING
-    if phase in (CKPT_READY, CKPT_FAILED):
+    if phase in FINISHED:
         return status
+    if phase == CKPT_RUNNING:
+        return _watch(kube, current, emit, agents)
+    return _start(kube, current, emit, agents)
+
+
+def _start(kube: Kube, body: Body, emit: Emit, agents: Agents) -> Status:
+    """Pending: find a pod whose agent is Ready, mark Running, start the agent's checkpoint."""
+    meta, spec = body["metadata"], body.get("spec") or {}
     ns, isvc_name = meta["namespace"], spec.get("inferenceService", "")
     isvc = kube.get(ISVC_KIND, ns, isvc_name)
     if isvc is None:
@@ -158,36 +92,15 @@ def run_checkpoint(
             "set spec.inferenceService to an existing one (kubectl get rkis)",
         )
     _adopt(kube, body, isvc)
-    if phase == CKPT_RUNNING:
-        return recover(kube, body, emit, client_for, poll_s)
-
     isvc_spec = spec_of(isvc)
     candidates = ready_pods(kube.list("Pod", ns, b.selector_string(isvc_name)), spec.get("pod"))
-    timeout = int(spec.get("timeoutSeconds") or DEFAULT_TIMEOUT_S)
     token = read_token(kube, ns, isvc_name) if candidates else ""
-    pod, skipped = _checkpointable(candidates, token, client_for)
+    pod, skipped = _checkpointable(candidates, token, agents)
     if pod is None:
-        age = (parse_time(now_iso()) - parse_time(meta["creationTimestamp"])).total_seconds()
-        if age > timeout:
-            return _fail(
-                kube,
-                body,
-                emit,
-                "NoReadyPod",
-                f"no ready pod of {isvc_name} within {timeout}s: scale it up and retry",
-            )
-        why = f"waiting for a pod of {isvc_name} to checkpoint: " + (
-            "; ".join(skipped) or "none is ready"
-        )
-        if status.get("message") != why:
-            _set_status(
-                kube, body, {"phase": CKPT_PENDING, "reason": "WaitingForPod", "message": why}
-            )
-        raise Retry(why)
+        return _wait_for_pod(kube, body, emit, isvc_name, skipped)
 
     pod_name = pod["metadata"]["name"]
     path = b.checkpoint_path(isvc_name, meta["name"], meta["uid"])
-    started = now_iso()
     running = {
         "phase": CKPT_RUNNING,
         "reason": "Checkpointing",
@@ -195,7 +108,7 @@ def run_checkpoint(
         "pod": pod_name,
         "path": path,
         "fingerprint": spec_fingerprint(isvc_spec),
-        "startedAt": started,
+        "startedAt": now_iso(),
         # What deleting the data needs, even once the InferenceService is gone.
         "volume": b.checkpoint_volume(isvc_spec),
         "image": isvc_spec.image,
@@ -204,38 +117,81 @@ def run_checkpoint(
     _set_status(kube, body, running)
     emit("Normal", "CheckpointStarted", f"checkpointing pod {pod_name} into {path}")
     set_serving(kube, ns, pod_name, False)
-    try:
-        manifest = client_for(agent_url(pod), token).checkpoint(path, timeout=timeout)
-    except Exception as e:
+    agents.start_checkpoint(
+        meta["uid"],
+        pod,
+        token,
+        path,
+        timeout=_timeout(body),
+        # Back in the Service as soon as the agent answers, whatever the answer.
+        then=lambda: set_serving(kube, ns, pod_name, True),
+    )
+    return running
+
+
+def _watch(kube: Kube, body: Body, emit: Emit, agents: Agents) -> Status:
+    """Running: record the agent's answer once there is one; meanwhile note its state."""
+    uid = body["metadata"]["uid"]
+    call = agents.checkpoint_call(uid)
+    if call is not None and call.done():
+        agents.forget(uid)
+        return _record(kube, body, emit, call)
+    pod, reply, error = _ask_agent(kube, body, agents)
+    if call is None:  # started by an operator process that is gone
+        return _recover(kube, body, emit, pod, reply, error)
+    status = dict(body.get("status") or {})
+    if reply is not None and status.get("agentState") != reply.state:
+        status["agentState"] = reply.state
+        _set_status(kube, body, {"agentState": reply.state})
+    return status
+
+
+def _ask_agent(
+    kube: Kube, body: Body, agents: Agents
+) -> tuple[Body | None, StatusReply | None, str | None]:
+    """The Running checkpoint's pod (None if gone) and what its agent says now."""
+    meta, status = body["metadata"], body.get("status") or {}
+    pod = kube.get("Pod", meta["namespace"], status["pod"]) if status.get("pod") else None
+    if pod is None or not (pod.get("status") or {}).get("podIP"):
+        return None, None, "pod gone"
+    token = read_token(kube, meta["namespace"], body["spec"]["inferenceService"])
+    return (pod, *agents.ask_status(pod, token))
+
+
+def _record(kube: Kube, body: Body, emit: Emit, call: CheckpointCall) -> Status:
+    status = body.get("status") or {}
+    set_serving(kube, body["metadata"]["namespace"], call.pod, True)
+    if call.error is not None or call.manifest is None:
         return _fail(
             kube,
             body,
             emit,
             "AgentCheckpointFailed",
-            f"pod {pod_name} kept serving; the agent said: {e}",
+            f"pod {call.pod} kept serving; the agent said: {call.error}",
         )
-    finally:
-        set_serving(kube, ns, pod_name, True)
-    result = _result_status(manifest, started, "")
+    result = _result_status(call.manifest, status.get("startedAt") or now_iso(), "")
     _set_status(kube, body, result)
     emit(
         "Normal",
         "CheckpointReady",
-        f"{result['size']} in {result['totalSeconds']:.1f}s from pod {pod_name}",
+        f"{result['size']} in {result['totalSeconds']:.1f}s from pod {call.pod}",
     )
-    update_pointer(kube, isvc, isvc_spec, kube.list("Checkpoint", ns))
-    return {**running, **result}
+    _point_new_replicas(kube, body)
+    return {**status, **result}
 
 
-def recover(
-    kube: Kube, body: Body, emit: Emit, client_for: ClientFactory, poll_s: float
-) -> dict[str, Any]:
+def _recover(
+    kube: Kube,
+    body: Body,
+    emit: Emit,
+    pod: Body | None,
+    reply: StatusReply | None,
+    error: str | None,
+) -> Status:
     """The operator restarted while this Checkpoint was Running: finish or fail it cleanly."""
     meta, status = body["metadata"], body.get("status") or {}
-    ns, isvc_name = meta["namespace"], body["spec"]["inferenceService"]
-    pod_name, path = status.get("pod", ""), status.get("path", "")
-    pod = kube.get("Pod", ns, pod_name) if pod_name else None
-    if pod is None or not (pod.get("status") or {}).get("podIP"):
+    ns, pod_name, path = meta["namespace"], status.get("pod", ""), status.get("path", "")
+    if pod is None:
         return _fail(
             kube,
             body,
@@ -243,16 +199,11 @@ def recover(
             "PodGone",
             f"pod {pod_name!r} went away during the checkpoint: create a new Checkpoint",
         )
-    try:
-        client = client_for(agent_url(pod), read_token(kube, ns, isvc_name))
-        deadline = time.monotonic() + int(body["spec"].get("timeoutSeconds") or DEFAULT_TIMEOUT_S)
-        reply = client.status()
-        while reply.state in BUSY_STATES and time.monotonic() < deadline:
-            time.sleep(poll_s)
-            reply = client.status()
-        last = reply.raw.get("last_checkpoint") or {}
-    finally:
-        set_serving(kube, ns, pod_name, True)
+    busy = reply is None or reply.state in BUSY_STATES
+    if busy and not _timed_out(body):
+        return dict(status)  # the agent is still at it (or briefly unreachable): look again
+    set_serving(kube, ns, pod_name, True)
+    last = (reply.last_checkpoint if reply else None) or {}
     if last.get("dir") == path and last.get("ok"):
         result = _result_status(
             {"timings": last.get("timings") or {}},
@@ -263,24 +214,37 @@ def recover(
         emit(
             "Normal", "CheckpointReady", f"pod {pod_name} finished it while the operator restarted"
         )
-        isvc = kube.get(ISVC_KIND, ns, isvc_name)
-        if isvc is not None:
-            update_pointer(kube, isvc, spec_of(isvc), kube.list("Checkpoint", ns))
+        _point_new_replicas(kube, body)
         return result
+    if last.get("dir") == path:
+        return _fail(
+            kube,
+            body,
+            emit,
+            "AgentCheckpointFailed",
+            f"pod {pod_name} kept serving; the agent said: {last.get('error')}",
+        )
     return _fail(
         kube,
         body,
         emit,
         "OperatorRestarted",
         f"the operator restarted while pod {pod_name} was checkpointing and the agent "
-        f"(now {reply.state}) reports no finished checkpoint at {path}; pod {pod_name} is "
-        "serving again: create a new Checkpoint",
+        f"({_describe(reply, error)}) reports no finished checkpoint at {path}; pod "
+        f"{pod_name} is serving again: create a new Checkpoint",
     )
 
 
-def delete_data(kube: Kube, body: Body, emit: Emit) -> str:
-    """Apply spec.deletionPolicy when a Checkpoint is deleted; returns what was done."""
+def delete_data(kube: Kube, body: Body, emit: Emit, agents: Agents) -> str:
+    """Apply spec.deletionPolicy when a Checkpoint is deleted; returns what was done.
+
+    A Checkpoint deleted while its agent still writes waits for the agent (its
+    files would be half removed otherwise), then puts the pod back in rotation.
+    """
     spec, status = body.get("spec") or {}, body.get("status") or {}
+    if status.get("phase") == CKPT_RUNNING:
+        _wait_until_agent_done(kube, body, agents)
+        set_serving(kube, body["metadata"]["namespace"], status.get("pod", ""), True)
     path = status.get("path")
     if not path or not status.get("volume") or not status.get("image"):
         return "nothing to delete"
@@ -297,3 +261,156 @@ def delete_data(kube: Kube, body: Body, emit: Emit) -> str:
     kube.create_if_absent(job)
     emit("Normal", "CheckpointDataDeleted", f"deleting {path} (deletionPolicy Delete)")
     return f"deleting {path}"
+
+
+def _wait_until_agent_done(kube: Kube, body: Body, agents: Agents) -> None:
+    uid = body["metadata"]["uid"]
+    call = agents.checkpoint_call(uid)
+    if call is not None and not call.done():
+        raise Retry(f"pod {call.pod} is still checkpointing into {call.path}")
+    agents.forget(uid)
+    if call is None:  # started by an operator process that is gone: ask the agent
+        _, reply, _ = _ask_agent(kube, body, agents)
+        if reply is not None and reply.state in BUSY_STATES and not _timed_out(body):
+            raise Retry(f"the agent is still checkpointing ({reply.state})")
+
+
+def set_serving(kube: Kube, namespace: str, pod: str, serving: bool) -> None:
+    """Add or remove the label the Service selects on; a vanished pod is fine."""
+    if not pod:
+        return
+    value = "true" if serving else None
+    try:
+        kube.merge_patch("Pod", namespace, pod, {"metadata": {"labels": {SERVING_LABEL: value}}})
+    except KubeError as e:
+        if e.status != 404:
+            raise
+
+
+def _checkpointable(
+    candidates: list[Body], token: str, agents: Agents
+) -> tuple[Body | None, list[str]]:
+    """The best candidate whose agent is Ready, and why the others were passed over.
+
+    Pods whose vLLM was not restored with the mmap restore come first: only the
+    patched CRIU can dump memory still mapped from an old image (the agent
+    answers 409 otherwise, which then fails the Checkpoint with its reason).
+    """
+    skipped = []
+    ready: list[tuple[bool, Body]] = []
+    for pod in candidates:
+        name = pod["metadata"]["name"]
+        reply, error = agents.ask_status(pod, token)
+        if reply is None:
+            skipped.append(f"pod {name}: {error}")
+        elif reply.state != "Ready":
+            skipped.append(f"pod {name}: agent is {reply.state}, not Ready")
+        else:
+            ready.append((reply.restored_with_mmap, pod))
+    if not ready:
+        return None, skipped
+    return min(ready, key=lambda r: r[0])[1], skipped
+
+
+def _wait_for_pod(kube: Kube, body: Body, emit: Emit, isvc_name: str, skipped: list[str]) -> Status:
+    meta, status = body["metadata"], body.get("status") or {}
+    timeout = _timeout(body)
+    age = (parse_time(now_iso()) - parse_time(meta["creationTimestamp"])).total_seconds()
+    if age > timeout:
+        return _fail(
+            kube,
+            body,
+            emit,
+            "NoReadyPod",
+            f"no ready pod of {isvc_name} within {timeout}s: scale it up and retry",
+        )
+    why = f"waiting for a pod of {isvc_name} to checkpoint: " + (
+        "; ".join(skipped) or "none is ready"
+    )
+    waiting = {"phase": CKPT_PENDING, "reason": "WaitingForPod", "message": why}
+    if status.get("message") != why:
+        _set_status(kube, body, waiting)
+    return {**status, **waiting}
+
+
+def _point_new_replicas(kube: Kube, body: Body) -> None:
+    ns = body["metadata"]["namespace"]
+    isvc = kube.get(ISVC_KIND, ns, body["spec"]["inferenceService"])
+    if isvc is not None:
+        update_pointer(kube, isvc, spec_of(isvc), kube.list(CKPT_KIND, ns))
+
+
+def _adopt(kube: Kube, body: Body, isvc: Body) -> None:
+    """Checkpoint objects go with their InferenceService (its data per deletionPolicy)."""
+    refs = body["metadata"].get("ownerReferences") or []
+    if any(r.get("uid") == isvc["metadata"]["uid"] for r in refs):
+        return
+    ref = {**b.owner_reference({**isvc, "kind": ISVC_KIND}), "controller": False}
+    kube.merge_patch(
+        CKPT_KIND,
+        body["metadata"]["namespace"],
+        body["metadata"]["name"],
+        {"metadata": {"ownerReferences": [*refs, ref]}},
+    )
+
+
+def _timeout(body: Body) -> int:
+    return int((body.get("spec") or {}).get("timeoutSeconds") or DEFAULT_TIMEOUT_S)
+
+
+def _timed_out(body: Body) -> bool:
+    started = (body.get("status") or {}).get("startedAt")
+    if not started:
+        return False
+    return (parse_time(now_iso()) - parse_time(started)).total_seconds() > _timeout(body)
+
+
+def _describe(reply: StatusReply | None, error: str | None) -> str:
+    return f"now {reply.state}" if reply is not None else (error or "not answering")
+
+
+def _set_status(kube: Kube, body: Body, status: Mapping[str, Any]) -> None:
+    meta, patch = body["metadata"], dict(status)
+    if patch.get("phase") in FINISHED:
+        patch["agentState"] = None  # only meaningful while Running (merge patch: removed)
+    kube.merge_patch(CKPT_KIND, meta["namespace"], meta["name"], {"status": patch}, "status")
+
+
+def _fail(kube: Kube, body: Body, emit: Emit, reason: str, message: str) -> Status:
+    st = {"phase": CKPT_FAILED, "reason": reason, "message": message, "completedAt": now_iso()}
+    _set_status(kube, body, st)
+    emit("Warning", reason, message)
+    return {**(body.get("status") or {}), **st}
+
+
+def _result_status(manifest: Mapping[str, Any], started: str, how: str) -> Status:
+    """Ready: the agent answers success only after it restored the new checkpoint once."""
+    summary = {**manifest_summary(manifest), "verified": True}
+    out = {
+        "phase": CKPT_READY,
+        "reason": "Verified",
+        "message": f"checkpoint written and restored once by the agent{how}",
+        "totalSeconds": (parse_time(now_iso()) - parse_time(started)).total_seconds(),
+        "completedAt": now_iso(),
+        "stale": False,
+        **summary,
+    }
+    if summary["files"]:
+        out["size"] = human_bytes(summary["sizeBytes"])
+    else:  # recovered from the agent's status: no file list, so no size
+        out.pop("sizeBytes")
+        out.pop("files")
+    return out
+
+
+def manifest_summary(manifest: Mapping[str, Any]) -> Status:
+    """What a Checkpoint's status records from the agent's manifest."""
+    files = manifest.get("files") or []
+    fingerprint = json.dumps(manifest.get("fingerprint") or {}, sort_keys=True).encode()
+    return {
+        "sizeBytes": sum(int(f.get("size", 0)) for f in files),
+        "files": len(files),
+        "phaseSeconds": {k: round(float(v), 3) for k, v in (manifest.get("timings") or {}).items()},
+        "agentFingerprint": hashlib.sha256(fingerprint).hexdigest()[:16],
+        "verified": bool(manifest.get("verified")),
+    }

@@ -2,7 +2,12 @@
 
 Each trial scales to zero, waits until no pod is left, scales to one and
 measures from the scale request to (a) the pod Ready and (b) the first
-generated token (a one-token greedy completion sent straight to the pod).
+generated token: a one-token greedy completion sent to the Service through
+the apiserver's service proxy, so it runs wherever kubectl does. It also
+reports (c) the pod's own figure, agent start to Ready on the agent's clock,
+which the operator copies from the agent's status onto the pod. Everything
+goes through the Kubernetes API; no pod IP is contacted.
+
 The naive arm sets coldStart.restorePolicy=Never (not part of the checkpoint
 fingerprint, so the checkpoint stays usable); the restore arm IfAvailable.
 """
@@ -12,17 +17,15 @@ from __future__ import annotations
 import json
 import statistics
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from rekindle_operator import agent_command as ac
 from rekindle_operator import builders as b
-from rekindle_operator.constants import ANN_BOOT_PATH, ANN_BOOT_REASON
+from rekindle_operator.constants import ANN_AGENT_READY, ANN_BOOT_PATH, ANN_BOOT_REASON
 from rekindle_operator.kube import Kube
+from rekindle_operator.pods import service_completion
 from rekindle_operator.selection import pod_ready
 
 ARMS = ("naive", "restore")
@@ -36,6 +39,15 @@ class Trial:
     first_token_s: float
     origin: str
     reason: str
+    agent_ready_s: float | None = None  # agent start -> Ready, the agent's own clock
+
+
+# (Trial field, table column, plot title)
+_COLUMNS = (
+    ("agent_ready_s", "agent ready", "agent start → Ready (in the pod)"),
+    ("ready_s", "pod ready", "scale 0→1 → pod Ready"),
+    ("first_token_s", "first token", "scale 0→1 → first token"),
+)
 
 
 def summarize(values: Sequence[float]) -> dict[str, float]:
@@ -52,46 +64,46 @@ def summarize_trials(trials: Sequence[Trial]) -> dict[str, dict[str, dict[str, f
     out: dict[str, dict[str, dict[str, float]]] = {}
     for arm in ARMS:
         rows = [t for t in trials if t.arm == arm]
-        if rows:
-            out[arm] = {
-                "ready_s": summarize([t.ready_s for t in rows]),
-                "first_token_s": summarize([t.first_token_s for t in rows]),
-            }
+        for key, _, _ in _COLUMNS:
+            values = [v for v in (getattr(t, key) for t in rows) if v is not None]
+            if values:
+                out.setdefault(arm, {})[key] = summarize(values)
     return out
 
 
 def table(summary: dict[str, dict[str, dict[str, float]]]) -> str:
-    lines = [
-        f"{'arm':<8} {'n':>3} {'ready median':>13} {'[min-max]':>15} "
-        f"{'1st token median':>17} {'[min-max]':>15}"
-    ]
+    """Median [min-max] per arm and metric, and the first-token speedup."""
+    lines = [f"{'arm':<8} {'n':>3}" + "".join(f" {short:>22}" for _, short, _ in _COLUMNS)]
     for arm, s in summary.items():
-        r, f = s["ready_s"], s["first_token_s"]
-        lines.append(
-            f"{arm:<8} {int(r['n']):>3} {r['median']:>12.2f}s {r['min']:>6.2f}-{r['max']:<7.2f} "
-            f"{f['median']:>16.2f}s {f['min']:>6.2f}-{f['max']:<7.2f}"
-        )
-    if "naive" in summary and "restore" in summary:
-        speedup = summary["naive"]["first_token_s"]["median"] / max(
-            summary["restore"]["first_token_s"]["median"], 1e-9
-        )
+        n = int(s["first_token_s"]["n"]) if "first_token_s" in s else 0
+        cells = []
+        for key, _, _ in _COLUMNS:
+            m = s.get(key)
+            cells.append(f"{m['median']:.2f}s [{m['min']:.2f}-{m['max']:.2f}]" if m else "-")
+        lines.append(f"{arm:<8} {n:>3}" + "".join(f" {c:>22}" for c in cells))
+    naive = summary.get("naive", {}).get("first_token_s")
+    restore = summary.get("restore", {}).get("first_token_s")
+    if naive and restore:
+        speedup = naive["median"] / max(restore["median"], 1e-9)
         lines.append(f"first-token speedup (median naive / median restore): {speedup:.1f}x")
     return "\n".join(lines)
 
 
 def plot(trials: Sequence[Trial], out: Path, title: str) -> None:
-    """Bars at the median, whiskers to min/max, dots for every trial."""
+    """One panel per metric: bars at the median, whiskers to min/max, dots for every trial."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    metrics = (("ready_s", "scale 0→1 to pod Ready"), ("first_token_s", "scale 0→1 to first token"))
-    fig, axes = plt.subplots(1, 2, figsize=(9, 4), sharey=True)
-    for ax, (key, label) in zip(axes, metrics, strict=True):
-        arms = [a for a in ARMS if any(t.arm == a for t in trials)]
+    metrics = [(k, t) for k, _, t in _COLUMNS if any(getattr(x, k) is not None for x in trials)]
+    fig, axes = plt.subplots(
+        1, len(metrics), figsize=(4.5 * len(metrics), 4), sharey=True, squeeze=False
+    )
+    for ax, (key, label) in zip(axes[0], metrics, strict=True):
+        arms = [a for a in ARMS if any(t.arm == a and getattr(t, key) is not None for t in trials)]
         for i, arm in enumerate(arms):
-            vals = [getattr(t, key) for t in trials if t.arm == arm]
+            vals = [getattr(t, key) for t in trials if t.arm == arm and getattr(t, key) is not None]
             med = statistics.median(vals)
             ax.bar(i, med, color=("#999999" if arm == "naive" else "#d9772b"), width=0.6)
             ax.errorbar(i, med, yerr=[[med - min(vals)], [max(vals) - med]], color="k", capsize=6)
@@ -104,21 +116,6 @@ def plot(trials: Sequence[Trial], out: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
-
-
-def _first_token(pod_ip: str, model: str, timeout: float = 5.0) -> bool:
-    body = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 1, "temperature": 0})
-    req = urllib.request.Request(
-        f"http://{pod_ip}:{ac.SERVE_PORT}/v1/completions",
-        data=body.encode(),
-        headers={"Content-Type": "application/json"},
-        method="POST",
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return bool(json.loads(resp.read())["choices"])
-    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, ValueError, KeyError):
-        return False
 
 
 def _pods(kube: Kube, ns: str, name: str) -> list[dict[str, Any]]:
@@ -158,32 +155,36 @@ def one_trial(
     ready_s = first_s = None
     pod: dict[str, Any] | None = None
     while first_s is None or ready_s is None:
-        now = time.monotonic() - t0
-        if now > timeout:
+        if time.monotonic() - t0 > timeout:
             raise TimeoutError(f"{arm} trial {i}: no first token within {timeout:.0f}s")
         pods = _pods(kube, ns, name)
         pod = pods[0] if pods else None
         if pod and ready_s is None and pod_ready(pod):
             ready_s = time.monotonic() - t0
-        ip = (pod or {}).get("status", {}).get("podIP")
-        if ip and first_s is None and _first_token(ip, model):
+        # The Service sends requests only to Ready pods: no point asking before.
+        ready = ready_s is not None
+        if ready and first_s is None and service_completion(kube, ns, b.service_name(name), model):
             first_s = time.monotonic() - t0
         time.sleep(0.2)
     assert pod is not None
-    origin, reason = _origin(kube, ns, pod["metadata"]["name"])
-    return Trial(arm, i, ready_s, first_s, origin, reason)
+    origin, reason, agent_s = pod_report(kube, ns, pod["metadata"]["name"])
+    return Trial(arm, i, ready_s, first_s, origin, reason, agent_s)
 
 
-def _origin(kube: Kube, ns: str, pod: str, wait_s: float = 15) -> tuple[str, str]:
-    """The operator mirrors the agent's boot path onto the pod within a status interval."""
+def pod_report(kube: Kube, ns: str, pod: str, wait_s: float = 15) -> tuple[str, str, float | None]:
+    """(origin, reason, agent start -> Ready): the operator mirrors them onto the pod."""
     deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
+    while True:
         p = kube.get("Pod", ns, pod) or {}
-        ann = p.get("metadata", {}).get("annotations") or {}
-        if ann.get(ANN_BOOT_PATH):
-            return ann[ANN_BOOT_PATH], ann.get(ANN_BOOT_REASON, "")
+        ann: dict[str, str] = p.get("metadata", {}).get("annotations") or {}
+        if ann.get(ANN_BOOT_PATH) and ann.get(ANN_AGENT_READY):
+            return ann[ANN_BOOT_PATH], ann.get(ANN_BOOT_REASON, ""), float(ann[ANN_AGENT_READY])
+        if time.monotonic() >= deadline:
+            break
         time.sleep(1)
-    return "unknown", "the operator did not report the boot path in time"
+    if ann.get(ANN_BOOT_PATH):  # an agent that does not report when it became Ready
+        return ann[ANN_BOOT_PATH], ann.get(ANN_BOOT_REASON, ""), None
+    return "unknown", "the operator did not report the boot path in time", None
 
 
 def run(
@@ -210,9 +211,11 @@ def run(
         for i in range(trials):
             for arm in ARMS:
                 t = one_trial(kube, ns, name, model, arm, i)
+                agent = "-" if t.agent_ready_s is None else f"{t.agent_ready_s:.2f}s"
                 progress(
-                    f"[{arm} {i + 1}/{trials}] ready {t.ready_s:.2f}s, first token "
-                    f"{t.first_token_s:.2f}s ({t.origin}{': ' + t.reason if t.reason else ''})"
+                    f"[{arm} {i + 1}/{trials}] agent ready {agent}, pod ready {t.ready_s:.2f}s, "
+                    f"first token {t.first_token_s:.2f}s "
+                    f"({t.origin}{': ' + t.reason if t.reason else ''})"
                 )
                 out.append(t)
     finally:

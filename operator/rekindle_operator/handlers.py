@@ -15,13 +15,22 @@ import kopf
 from rekindle_operator import checkpointing, reconcile
 from rekindle_operator.constants import CKPT_PLURAL, GROUP, ISVC_PLURAL, VERSION
 from rekindle_operator.kube import Kube
+from rekindle_operator.pods import Agents
 
 STATUS_INTERVAL_S = float(os.environ.get("REKINDLE_STATUS_INTERVAL", "5"))
+# How often an unfinished Checkpoint takes its next step (each one is short).
+CHECKPOINT_STEP_S = 2.0
 
 
 @functools.cache
 def kube() -> Kube:
     return Kube()
+
+
+@functools.cache
+def agents() -> Agents:
+    """One per process: it holds the checkpoint calls this process has running."""
+    return Agents()
 
 
 def _emitter(body: kopf.Body) -> reconcile.Emit:
@@ -49,7 +58,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 
 
 def _reconcile(body: kopf.Body, patch: kopf.Patch) -> None:
-    patch.status.update(reconcile.reconcile(kube(), body, _emitter(body)))
+    patch.status.update(reconcile.reconcile(kube(), body, _emitter(body), agents()))
 
 
 @kopf.on.resume(GROUP, VERSION, ISVC_PLURAL)
@@ -65,15 +74,19 @@ def isvc_refresh(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
     _reconcile(body, patch)
 
 
-@kopf.on.resume(GROUP, VERSION, CKPT_PLURAL)
-@kopf.on.create(GROUP, VERSION, CKPT_PLURAL)
-def checkpoint_created(body: kopf.Body, **_: Any) -> None:
-    try:
-        checkpointing.run_checkpoint(kube(), body, _emitter(body))
-    except checkpointing.Retry as e:
-        raise kopf.TemporaryError(str(e), delay=e.delay) from e
+def _checkpoint_unfinished(status: kopf.Status, **_: Any) -> bool:
+    return checkpointing.unfinished(status)
+
+
+@kopf.timer(GROUP, VERSION, CKPT_PLURAL, interval=CHECKPOINT_STEP_S, when=_checkpoint_unfinished)
+def checkpoint_step(body: kopf.Body, **_: Any) -> None:
+    """One short step of the Checkpoint's state machine; stops once it is Ready or Failed."""
+    checkpointing.step(kube(), body, _emitter(body), agents())
 
 
 @kopf.on.delete(GROUP, VERSION, CKPT_PLURAL)
 def checkpoint_deleted(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
-    logger.info(checkpointing.delete_data(kube(), body, _emitter(body)))
+    try:
+        logger.info(checkpointing.delete_data(kube(), body, _emitter(body), agents()))
+    except checkpointing.Retry as e:
+        raise kopf.TemporaryError(str(e), delay=e.delay) from e

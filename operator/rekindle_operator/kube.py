@@ -27,7 +27,6 @@ _RESOURCES: dict[str, tuple[str, str]] = {
     "ConfigMap": ("/api/v1", "configmaps"),
     "PersistentVolumeClaim": ("/api/v1", "persistentvolumeclaims"),
     "Pod": ("/api/v1", "pods"),
-    "Event": ("/api/v1", "events"),
     "Job": ("/apis/batch/v1", "jobs"),
     "InferenceService": (f"/apis/{GROUP}/{VERSION}", ISVC_PLURAL),
     "Checkpoint": (f"/apis/{GROUP}/{VERSION}", CKPT_PLURAL),
@@ -49,6 +48,11 @@ def path(kind: str, namespace: str, name: str | None = None, sub: str | None = N
     if sub:
         p += f"/{sub}"
     return p
+
+
+def service_proxy_path(namespace: str, service: str, port: int, sub: str) -> str:
+    """The apiserver's proxy to a Service: reachable wherever the apiserver is (no pod IPs)."""
+    return f"/api/v1/namespaces/{namespace}/services/{service}:{port}/proxy/{sub.lstrip('/')}"
 
 
 def load_configuration(kubeconfig: str | None = None) -> Any:
@@ -169,12 +173,3 @@ class Kube:
             content_type="application/merge-patch+json",
         )
         return out
-
-    def delete(self, kind: str, namespace: str, name: str) -> bool:
-        try:
-            self.request("DELETE", path(kind, namespace, name), {"propagationPolicy": "Background"})
-            return True
-        except KubeError as e:
-            if e.status == 404:
-                return False
-            raise

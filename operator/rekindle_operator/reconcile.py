@@ -7,23 +7,23 @@ one-time values (the token, the PVC).
 
 from __future__ import annotations
 
-import base64
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from rekindle_operator import agent_command as ac
+from rekindle_contract.api import SERVE_PORT
+
 from rekindle_operator import builders as b
-from rekindle_operator.constants import ANN_BOOT_PATH, ANN_BOOT_REASON
-from rekindle_operator.spec_fingerprint import spec_fingerprint
+from rekindle_operator.constants import ANN_AGENT_READY, ANN_BOOT_PATH, ANN_BOOT_REASON
 from rekindle_operator.kube import Kube
+from rekindle_operator.pods import Agents, read_token
 from rekindle_operator.selection import newest_usable, stale_changes
-from rekindle_operator.shm_sizing import shm_need
+from rekindle_operator.shm_sizing import effective_shm_bytes, shm_need, shm_shortfall
 from rekindle_operator.spec import IsvcSpec, SpecError, parse_spec
+from rekindle_operator.spec_fingerprint import spec_fingerprint
 from rekindle_operator.status import Observed, PodBoot, compute_status, pod_boot, transitions
 
 Emit = Callable[[str, str, str], None]  # (Normal|Warning, reason, message)
 Body = Mapping[str, Any]
-AgentAsk = Callable[[str, str], tuple[dict[str, Any] | None, str | None]]
 
 
 def spec_of(body: Body) -> IsvcSpec:
@@ -31,25 +31,6 @@ def spec_of(body: Body) -> IsvcSpec:
     return parse_spec(
         meta["name"], meta["namespace"], body.get("spec") or {}, meta.get("annotations")
     )
-
-
-def read_token(kube: Kube, namespace: str, isvc: str) -> str:
-    sec = kube.get("Secret", namespace, b.secret_name(isvc))
-    if not sec:
-        raise RuntimeError(f"Secret {b.secret_name(isvc)} is missing; the operator recreates it")
-    return base64.b64decode(sec["data"][ac.TOKEN_KEY]).decode()
-
-
-def agent_url(pod: Body) -> str:
-    return f"http://{pod['status']['podIP']}:{ac.ADMIN_PORT}"
-
-
-def ask_agent(url: str, token: str) -> tuple[dict[str, Any] | None, str | None]:
-    """GET /v1/status of one agent: (reply, None) or (None, why not)."""
-    try:
-        return ac.AgentClient(url, token, timeout=3).status().raw, None
-    except Exception as e:  # any failure is reported in status, never raised
-        return None, f"agent status unavailable: {e}"
 
 
 def update_pointer(
@@ -84,20 +65,18 @@ def ensure_objects(kube: Kube, body: Body, spec: IsvcSpec, shm_bytes: int) -> No
     kube.apply(b.build_deployment(spec, shm_bytes, spec_fingerprint(spec), owner=body))
 
 
-def observe_pods(kube: Kube, spec: IsvcSpec, ask: AgentAsk) -> tuple[PodBoot, ...]:
+def observe_pods(kube: Kube, spec: IsvcSpec, agents: Agents) -> tuple[PodBoot, ...]:
     pods = kube.list("Pod", spec.namespace, b.selector_string(spec.name))
     token: str | None = None
     out = []
     for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
         if (pod.get("metadata") or {}).get("deletionTimestamp"):
             continue
-        reply: dict[str, Any] | None = None
-        err: str | None = "pod has no IP yet"
+        boot = pod_boot(pod, None, "pod has no IP yet")
         if (pod.get("status") or {}).get("podIP"):
             if token is None:
                 token = read_token(kube, spec.namespace, spec.name)
-            reply, err = ask(agent_url(pod), token)
-        boot = pod_boot(pod, reply, err)
+            boot = pod_boot(pod, *agents.ask_status(pod, token))
         mirror_boot_annotations(kube, pod, boot)
         out.append(boot)
     return tuple(out)
@@ -109,6 +88,8 @@ def mirror_boot_annotations(kube: Kube, pod: Body, boot: PodBoot) -> None:
         return
     ann = (pod.get("metadata") or {}).get("annotations") or {}
     want = {ANN_BOOT_PATH: boot.origin, ANN_BOOT_REASON: boot.reason[:500]}
+    if boot.agent_ready_seconds is not None and not ann.get(ANN_AGENT_READY):
+        want[ANN_AGENT_READY] = f"{boot.agent_ready_seconds:.3f}"  # recorded once per pod
     if all(ann.get(k) == v for k, v in want.items()):
         return
     kube.merge_patch(
@@ -119,7 +100,7 @@ def mirror_boot_annotations(kube: Kube, pod: Body, boot: PodBoot) -> None:
     )
 
 
-def reconcile(kube: Kube, body: Body, emit: Emit, ask: AgentAsk = ask_agent) -> dict[str, Any]:
+def reconcile(kube: Kube, body: Body, emit: Emit, agents: Agents) -> dict[str, Any]:
     """Bring owned objects in line with body's spec and return the new status."""
     old: Body = body.get("status") or {}
     meta = body["metadata"]
@@ -132,8 +113,8 @@ def reconcile(kube: Kube, body: Body, emit: Emit, ask: AgentAsk = ask_agent) -> 
         return new
 
     need = shm_need(spec)
-    shm_error = b.shm_shortfall(spec, need)
-    shm_bytes = b.effective_shm_bytes(spec, need)
+    shm_error = shm_shortfall(spec, need)
+    shm_bytes = effective_shm_bytes(spec, need)
     checkpoints = kube.list("Checkpoint", spec.namespace)
     mark_stale(kube, spec, checkpoints, emit)
     in_use = None
@@ -142,7 +123,7 @@ def reconcile(kube: Kube, body: Body, emit: Emit, ask: AgentAsk = ask_agent) -> 
         in_use = update_pointer(kube, body, spec, checkpoints)
         ensure_objects(kube, body, spec, shm_bytes)
     deployment = kube.get("Deployment", spec.namespace, b.deployment_name(spec.name))
-    pods = observe_pods(kube, spec, ask) if deployment else ()
+    pods = observe_pods(kube, spec, agents) if deployment else ()
     obs = Observed(
         spec_replicas=spec.replicas,
         deployment=deployment,
@@ -152,7 +133,7 @@ def reconcile(kube: Kube, body: Body, emit: Emit, ask: AgentAsk = ask_agent) -> 
         shm_need=need.as_status(),
         shm_error=shm_error,
         selector=b.selector_string(spec.name),
-        endpoint=f"http://{b.service_name(spec.name)}.{meta['namespace']}.svc:{ac.SERVE_PORT}/v1",
+        endpoint=f"http://{b.service_name(spec.name)}.{meta['namespace']}.svc:{SERVE_PORT}/v1",
     )
     new = compute_status(old, obs)
     new["observedGeneration"] = meta.get("generation", 0)

@@ -63,12 +63,6 @@ def stale_changes(checkpoints: Iterable[Body], isvc: str, fingerprint: str) -> d
     return out
 
 
-def pick_pod(pods: Iterable[Body], wanted: str | None = None) -> Body | None:
-    """A running, ready, not-terminating pod to checkpoint (the named one if given)."""
-    candidates = ready_pods(pods, wanted)
-    return candidates[0] if candidates else None
-
-
 def ready_pods(pods: Iterable[Body], wanted: str | None = None) -> list[Body]:
     """Checkpoint candidates, best first: ready, with an IP, not terminating."""
     candidates = []

@@ -19,18 +19,21 @@ need = message_queues + multimodal_cache + kv_offload + nccl + headroom
 - kv_offload: vLLM's native CPU KV offload maps /dev/shm/vllm_offload_*.mmap of
   the configured size.
 - nccl: NCCL's SHM transport (GPU) or the CPU backend's shared-memory
-  all-reduce keeps per-rank segments when TP > 1; 192 MiB per rank (a DP=16
-  node was seen using ~3 GB, llm-d #352).
+  all-reduce keeps per-rank segments when TP > 1; 192 MiB per rank (about what
+  a 16-rank node was reported to use: ~3 GB).
 - headroom: 10% of the rest, at least 256 MiB (PyTorch's own shm tensors,
   semaphores, the agent's restored copies during a checkpoint's verification).
 The total is rounded up to a multiple of 64 MiB.
+
+An explicit spec.sharedMemory.size is used as given if it covers the need, and
+refused (with the computed need and each term) if it does not.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rekindle_operator.quantity import MiB
+from rekindle_operator.quantity import MiB, mib_str, to_bytes
 from rekindle_operator.spec import IsvcSpec
 
 RPC_BROADCAST_MQ = 16 * MiB * 10
@@ -77,3 +80,28 @@ def shm_need(spec: IsvcSpec) -> ShmBudget:
     headroom = max(HEADROOM_MIN, int(subtotal * HEADROOM_FRACTION))
     total = -(-(subtotal + headroom) // ROUND_TO) * ROUND_TO
     return ShmBudget(mq, mm, kv, nccl, total - subtotal, total)
+
+
+def effective_shm_bytes(spec: IsvcSpec, need: ShmBudget) -> int:
+    """The user's explicit size if given (shm_shortfall says whether it is enough), else need."""
+    return to_bytes(spec.shm_size) if spec.shm_size else need.total
+
+
+def shm_shortfall(spec: IsvcSpec, need: ShmBudget) -> str | None:
+    """Why an explicit sharedMemory.size is refused, with the computed need; None if fine."""
+    if spec.shm_size is None:
+        return None
+    if to_bytes(spec.shm_size) >= need.total:
+        return None
+    return (
+        f"spec.sharedMemory.size {spec.shm_size} is below what vLLM will put in /dev/shm: "
+        f"{mib_str(need.total)} (message queues {mib_str(need.message_queues)}, multimodal "
+        f"cache {mib_str(need.multimodal_cache)}, KV offload {mib_str(need.kv_offload)}, "
+        f"NCCL {mib_str(need.nccl)}, headroom {mib_str(need.headroom)}); set it to at least "
+        f"{mib_str(need.total)} or remove it to let the operator size it"
+    )
+
+
+def memory_limit_bytes(spec: IsvcSpec, shm_bytes: int) -> int:
+    """tmpfs pages are charged to the container's memory cgroup: the limit must include them."""
+    return to_bytes(spec.memory) + shm_bytes

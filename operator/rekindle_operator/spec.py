@@ -11,26 +11,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from rekindle_contract.vllm_argv import MANAGED_VLLM_FLAGS
+
+from rekindle_operator.constants import ANN_RESTART
 from rekindle_operator.quantity import to_bytes
 
 DEFAULT_IMAGE = "rekindle.local/runtime-cpu:dev"
-
-# vLLM flags the operator sets itself; a user passing them in vllmArgs would
-# silently fight the operator (ports, shm cache sizing), so they are refused.
-MANAGED_VLLM_FLAGS = (
-    "--model",
-    "--served-model-name",
-    "--host",
-    "--port",
-    "--tensor-parallel-size",
-    "--mm-processor-cache-type",
-    "--mm-processor-cache-gb",
-    "--mm-shm-cache-max-object-size-mb",
-    "--worker-extension-cls",
-    "--enable-sleep-mode",
-    "--kv-offloading-size",
-    "--kv-offloading-backend",
-)
 
 
 class SpecError(ValueError):
@@ -77,7 +63,6 @@ class IsvcSpec:
     storage: Storage = field(default_factory=Storage)
     restore_policy: str = "IfAvailable"  # IfAvailable | Never
     prefetch: bool = True
-    weight_reloader: str = "rekindle"  # rekindle | vllm
     restart_token: str = ""  # bumped by `kubectl rekindle restore`
 
 
@@ -92,8 +77,6 @@ def parse_spec(
     name: str, namespace: str, spec: Mapping[str, Any], annotations: Mapping[str, str] | None = None
 ) -> IsvcSpec:
     """IsvcSpec from the object's spec; raises SpecError naming the field to fix."""
-    from rekindle_operator.constants import ANN_RESTART
-
     model = _get(spec, "model")
     source = model.get("source")
     if not source:
@@ -146,7 +129,6 @@ def parse_spec(
         ),
         restore_policy=str(cold.get("restorePolicy", "IfAvailable")),
         prefetch=bool(cold.get("prefetch", True)),
-        weight_reloader=str(cold.get("weightReloader", "rekindle")),
         restart_token=(annotations or {}).get(ANN_RESTART, ""),
     )
     validate(out)

@@ -27,7 +27,6 @@ def spec_fingerprint(spec: IsvcSpec) -> str:
         "env": sorted(spec.env),
         "mm": [spec.mm_shm_cache, spec.mm_cache_bytes, spec.mm_max_object_mib],
         "kv": [spec.prefix_caching, spec.kv_offload_bytes],
-        "reloader": spec.weight_reloader,
     }
     blob = json.dumps(relevant, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()[:16]

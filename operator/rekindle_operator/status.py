@@ -12,7 +12,10 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from rekindle_contract.api import StatusReply
+
 from rekindle_operator.constants import (
+    ANN_AGENT_READY,
     COND_CHECKPOINT_READY,
     COND_READY,
     COND_RESTORED,
@@ -41,6 +44,7 @@ class PodBoot:
     reason: str  # why it booted rather than restored ("" when restored)
     checkpoint: str | None
     cold_start_seconds: float | None  # pod creation -> Ready
+    agent_ready_seconds: float | None = None  # agent start -> first Ready (agent's clock)
 
 
 def cold_start_seconds(pod: Body) -> float | None:
@@ -53,27 +57,55 @@ def cold_start_seconds(pod: Body) -> float | None:
     return None
 
 
-def pod_boot(pod: Body, agent: Mapping[str, Any] | None, agent_error: str | None) -> PodBoot:
+def agent_ready_seconds(pod: Body, agent: StatusReply | None) -> float | None:
+    """Agent start to its first Ready: recorded on the pod once, else from the agent.
+
+    The agent's ready_at is its latest Ready; after a checkpoint (drain, dump,
+    verify, Ready again) it no longer measures the start, so only an agent that
+    has not checkpointed yet is asked.
+    """
+    recorded = ((pod.get("metadata") or {}).get("annotations") or {}).get(ANN_AGENT_READY)
+    if recorded:
+        try:
+            return float(recorded)
+        except ValueError:
+            pass
+    if agent is None or agent.last_checkpoint is not None:
+        return None
+    return agent.start_to_ready_seconds()
+
+
+def pod_boot(pod: Body, agent: StatusReply | None, agent_error: str | None) -> PodBoot:
     """Combine the pod object with its agent's /v1/status reply (or the error asking it)."""
     name = pod["metadata"]["name"]
-    if agent is None:
+    if agent is None or agent.origin not in ("booted", "restored"):
+        why = agent_error or "agent not answering"
+        if agent is not None:  # still booting or restoring: how it comes up is not known yet
+            why = f"agent is {agent.state}" + (f": {agent.message}" if agent.message else "")
         return PodBoot(
             name,
             pod_ready(pod),
             "unknown",
-            agent_error or "agent not answering",
+            why,
             None,
             cold_start_seconds(pod),
+            agent_ready_seconds(pod, agent),
         )
-    origin = str(agent.get("origin") or "unknown")
-    fallback = agent.get("last_fallback") or {}
+    origin = agent.origin
+    fallback = agent.last_fallback or {}
     reason = ""
     if origin != "restored":
         reason = str(fallback.get("reason") or "no checkpoint to restore")
         if fallback.get("message"):
             reason += f": {fallback['message']}"
     return PodBoot(
-        name, pod_ready(pod), origin, reason, agent.get("checkpoint"), cold_start_seconds(pod)
+        name,
+        pod_ready(pod),
+        origin,
+        reason,
+        agent.checkpoint,
+        cold_start_seconds(pod),
+        agent_ready_seconds(pod, agent),
     )
 
 
@@ -191,16 +223,17 @@ def compute_status(old: Body, obs: Observed) -> dict[str, Any]:
                 "origin": p.origin,
                 "reason": p.reason,
                 "checkpoint": p.checkpoint or "",
-                **(
-                    {"coldStartSeconds": round(p.cold_start_seconds, 1)}
-                    if p.cold_start_seconds is not None
-                    else {}
-                ),
+                **_seconds("coldStartSeconds", p.cold_start_seconds),
+                **_seconds("agentReadySeconds", p.agent_ready_seconds),
             }
             for p in obs.pods
         ],
         "conditions": conds,
     }
+
+
+def _seconds(key: str, value: float | None) -> dict[str, float]:
+    return {} if value is None else {key: round(value, 1)}
 
 
 def transitions(old: Body, new: Body) -> list[tuple[str, str, str]]:

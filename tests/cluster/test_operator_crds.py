@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import yaml
 from rekindle_operator import builders as b
-from rekindle_operator.spec_fingerprint import spec_fingerprint
-from rekindle_operator.shm_sizing import shm_need
+from rekindle_operator.shm_sizing import effective_shm_bytes, shm_need
 from rekindle_operator.spec import parse_spec
+from rekindle_operator.spec_fingerprint import spec_fingerprint
 
 from tests.cluster.kube import REPO, helm, kubectl, kubectl_json
 from tests.cluster.operator_fixtures import apply, install_crds, isvc_manifest
@@ -125,7 +125,7 @@ def test_builders_pass_server_side_validation(namespace: str) -> None:
     spec = parse_spec("tiny", namespace, owner["spec"])
     need = shm_need(spec)
     objs = [
-        b.build_deployment(spec, b.effective_shm_bytes(spec, need), spec_fingerprint(spec), owner),
+        b.build_deployment(spec, effective_shm_bytes(spec, need), spec_fingerprint(spec), owner),
         b.build_service(spec, owner),
         b.build_secret(spec, owner),
         b.build_configmap(spec, "", owner),

@@ -201,6 +201,8 @@ def test_checkpoint_ready_then_new_replica_restores_with_same_output(
     cond = {c["type"]: c for c in obj["status"]["conditions"]}["Restored"]
     assert cond["status"] == "True", cond
     assert "restored" in obj["status"]["lastColdStartSeconds"]
+    # The pod's own figure, from the agent's timestamps, recorded by the operator.
+    assert obj["status"]["pods"][0]["agentReadySeconds"] > 0, obj["status"]["pods"]
     assert completions(served["url"]) == before
 
     status = run_plugin(kubectl_rekindle, "-n", op_namespace, "status", NAME)

@@ -5,11 +5,15 @@ from __future__ import annotations
 import base64
 
 import pytest
-from rekindle_operator import agent_command as ac
+from rekindle_contract.agent_args import AGENT_COMMAND
+from rekindle_contract.api import SERVE_PORT
+from rekindle_contract.pod import CHECKPOINT_ENV, CHECKPOINT_MOUNT, TOKEN_KEY
+from rekindle_contract.vllm_argv import VllmOptions, vllm_argv
 from rekindle_operator import builders as b
+from rekindle_operator.agent_command import agent_args
 from rekindle_operator.constants import NAME_LABEL, SERVING_LABEL
 from rekindle_operator.quantity import to_bytes
-from rekindle_operator.shm_sizing import shm_need
+from rekindle_operator.shm_sizing import effective_shm_bytes, shm_need, shm_shortfall
 from rekindle_operator.spec import IsvcSpec, parse_spec
 
 OWNER = {"kind": "InferenceService", "metadata": {"name": "tiny", "uid": "u-1"}}
@@ -28,7 +32,7 @@ def tiny(**over: object) -> IsvcSpec:
 
 def deployment(s: IsvcSpec) -> dict:  # type: ignore[type-arg]
     need = shm_need(s)
-    return b.build_deployment(s, b.effective_shm_bytes(s, need), "fp", owner=OWNER)
+    return b.build_deployment(s, effective_shm_bytes(s, need), "fp", owner=OWNER)
 
 
 def container(dep: dict) -> dict:  # type: ignore[type-arg]
@@ -53,28 +57,45 @@ def test_explicit_shm_size_is_used_when_big_enough() -> None:
     dep = deployment(s)
     vols = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
     assert vols["dshm"]["emptyDir"]["sizeLimit"] == "8192Mi"
-    assert b.shm_shortfall(s, shm_need(s)) is None
+    assert shm_shortfall(s, shm_need(s)) is None
 
 
-def test_shortfall_message_gives_the_computed_number() -> None:
-    s = tiny(sharedMemory={"size": "600Mi"})
-    need = shm_need(s)
-    msg = b.shm_shortfall(s, need)
-    assert msg is not None
-    assert f"{need.total // 2**20}Mi" in msg
-    assert "600Mi" in msg
+def vllm_of(s: IsvcSpec) -> list[str]:
+    """The vLLM command line the agent will build from the operator's agent settings."""
+    a = agent_args(s)
+    opts = VllmOptions(
+        model=a.model,
+        served_name=a.served_name,
+        device=a.device,
+        max_model_len=a.max_model_len,
+        tensor_parallel_size=a.tensor_parallel_size,
+        mm_shm_cache_gb=a.mm_shm_cache_gb,
+        mm_shm_max_object_mb=a.mm_shm_max_object_mb,
+        prefix_caching=a.prefix_caching,
+        kv_offload_gb=a.kv_offload_gb,
+        extra_args=tuple(a.vllm_args),
+    )
+    return vllm_argv(opts, python="python")
 
 
-def test_agent_is_entrypoint_with_vllm_shm_flags() -> None:
+def test_agent_is_entrypoint_with_shm_cache_settings() -> None:
     cmd = container(deployment(tiny()))["command"]
-    assert cmd[: len(ac.AGENT_ENTRYPOINT)] == list(ac.AGENT_ENTRYPOINT)
-    vllm = cmd[cmd.index("--") + 1 :]
-    i = vllm.index("--mm-processor-cache-type")
-    assert vllm[i + 1] == "shm"
+    assert cmd[: len(AGENT_COMMAND)] == list(AGENT_COMMAND)
+    assert "--" not in cmd  # no user vLLM flags; the operator writes none itself
+    assert cmd[cmd.index("--mm-shm-cache-gb") + 1] == "0.5"
+    assert cmd[cmd.index("--mm-shm-max-object-mb") + 1] == "64"
+    assert cmd[cmd.index("--checkpoint") + 1] == f"$({CHECKPOINT_ENV})"
+    assert cmd[cmd.index("--checkpoint-root") + 1] == CHECKPOINT_MOUNT
+    assert agent_args(tiny()).device == "cpu" and "--device" not in cmd  # the agent's default
+    vllm = vllm_of(tiny())
+    assert vllm[vllm.index("--mm-processor-cache-type") + 1] == "shm"
     assert vllm[vllm.index("--mm-processor-cache-gb") + 1] == "0.5"
     assert vllm[vllm.index("--mm-shm-cache-max-object-size-mb") + 1] == "64"
-    assert cmd[cmd.index("--checkpoint") + 1] == f"$({ac.CHECKPOINT_ENV})"
-    assert cmd[cmd.index("--device") + 1] == "cpu"
+
+
+def test_user_vllm_args_go_after_the_separator() -> None:
+    cmd = container(deployment(tiny(vllmArgs=["--max-num-seqs", "4"])))["command"]
+    assert cmd[cmd.index("--") + 1 :] == ["--max-num-seqs", "4"]
 
 
 def test_gpu_flags_and_resources() -> None:
@@ -82,25 +103,30 @@ def test_gpu_flags_and_resources() -> None:
         runtime={"device": "gpu"},
         resources={"gpus": 2, "memory": "16Gi"},
         tensorParallelSize=2,
-        kvCache={"cpuOffloadSize": "2Gi"},
+        kvCache={"cpuOffloadSize": "2Gi", "prefixCaching": False},
     )
     c = container(deployment(s))
     cmd = c["command"]
     assert cmd[cmd.index("--device") + 1] == "cuda"
-    vllm = cmd[cmd.index("--") + 1 :]
+    assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2"
+    assert cmd[cmd.index("--kv-offload-gb") + 1] == "2"
+    assert "--no-prefix-caching" in cmd
+    vllm = vllm_of(s)
     assert vllm[vllm.index("--tensor-parallel-size") + 1] == "2"
     assert vllm[vllm.index("--kv-offloading-size") + 1] == "2"
+    assert "--no-enable-prefix-caching" in vllm and "--enable-sleep-mode" in vllm
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 2
 
 
 def test_mm_cache_off_has_no_shm_flags() -> None:
-    cmd = container(deployment(tiny(multimodal={"shmCache": False})))["command"]
-    assert "--mm-processor-cache-type" not in cmd
+    s = tiny(multimodal={"shmCache": False})
+    assert "--mm-shm-cache-gb" not in container(deployment(s))["command"]
+    assert "--mm-processor-cache-type" not in vllm_of(s)
 
 
 def test_checkpoint_pointer_comes_from_configmap_env() -> None:
     env = {e["name"]: e for e in container(deployment(tiny()))["env"]}
-    ref = env[ac.CHECKPOINT_ENV]["valueFrom"]["configMapKeyRef"]
+    ref = env[CHECKPOINT_ENV]["valueFrom"]["configMapKeyRef"]
     assert ref["name"] == b.configmap_name("tiny")
     cm = b.build_configmap(tiny(), "/p/x", OWNER)
     assert cm["data"]["checkpoint"] == "/p/x"
@@ -116,7 +142,7 @@ def test_service_requires_serving_label_deployment_does_not() -> None:
     assert SERVING_LABEL not in dep["spec"]["selector"]["matchLabels"]
     assert dep["spec"]["template"]["metadata"]["labels"][SERVING_LABEL] == "true"
     assert dep["spec"]["selector"]["matchLabels"] == {NAME_LABEL: "tiny"}
-    assert svc["spec"]["ports"][0]["port"] == ac.SERVE_PORT
+    assert svc["spec"]["ports"][0]["port"] == SERVE_PORT
 
 
 def test_owned_objects_carry_owner_reference() -> None:
@@ -128,10 +154,10 @@ def test_owned_objects_carry_owner_reference() -> None:
 
 def test_secret_token_random_unless_given() -> None:
     s = tiny()
-    one = b.build_secret(s)["data"][ac.TOKEN_KEY]
-    two = b.build_secret(s)["data"][ac.TOKEN_KEY]
+    one = b.build_secret(s)["data"][TOKEN_KEY]
+    two = b.build_secret(s)["data"][TOKEN_KEY]
     assert one != two and len(base64.b64decode(one)) >= 32
-    fixed = b.build_secret(s, token="abc")["data"][ac.TOKEN_KEY]
+    fixed = b.build_secret(s, token="abc")["data"][TOKEN_KEY]
     assert base64.b64decode(fixed) == b"abc"
 
 
@@ -164,11 +190,11 @@ def test_restart_token_changes_pod_template() -> None:
 def test_cleanup_job_only_below_checkpoint_mount() -> None:
     s = tiny(coldStart={"storage": {"type": "hostPath", "hostPath": {"path": "/data/ck"}}})
     vol = b.checkpoint_volume(s)
-    job = b.build_cleanup_job("ns", "c1", f"{ac.CHECKPOINT_MOUNT}/tiny/c1-abc", vol, s.image)
+    job = b.build_cleanup_job("ns", "c1", f"{CHECKPOINT_MOUNT}/tiny/c1-abc", vol, s.image)
     pod = job["spec"]["template"]["spec"]
     assert pod["containers"][0]["command"][-1].endswith("c1-abc")
     assert pod["volumes"][0]["hostPath"]["path"] == "/data/ck"
-    for bad in ("/etc", f"{ac.CHECKPOINT_MOUNT}/../x", ac.CHECKPOINT_MOUNT):
+    for bad in ("/etc", f"{CHECKPOINT_MOUNT}/../x", CHECKPOINT_MOUNT):
         with pytest.raises(ValueError, match="refusing"):
             b.build_cleanup_job("ns", "c1", bad, vol, s.image)
 

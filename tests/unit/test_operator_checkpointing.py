@@ -1,18 +1,23 @@
-"""Checkpoint orchestration against an in-memory apiserver and a fake agent."""
+"""Checkpoint orchestration and reconcile against an in-memory apiserver and fake agents."""
 
 from __future__ import annotations
 
 import base64
 import copy
-from collections.abc import Mapping
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
+from rekindle_contract.api import StatusReply
 from rekindle_operator import builders as b
 from rekindle_operator import checkpointing as cp
-from rekindle_operator.spec_fingerprint import spec_fingerprint
 from rekindle_operator.kube import KubeError
+from rekindle_operator.pods import Agents
 from rekindle_operator.reconcile import reconcile, spec_of
+from rekindle_operator.spec_fingerprint import spec_fingerprint
 
 
 def merge(into: dict[str, Any], patch: Mapping[str, Any]) -> dict[str, Any]:
@@ -28,36 +33,43 @@ def merge(into: dict[str, Any], patch: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class FakeKube:
+    """The apiserver as a dict; thread-safe, since checkpoint calls finish in a thread."""
+
     def __init__(self) -> None:
         self.objs: dict[tuple[str, str, str], dict[str, Any]] = {}
         self.calls: list[tuple[str, str, str]] = []
+        self.lock = threading.RLock()
 
     def put(self, obj: dict[str, Any]) -> dict[str, Any]:
         m = obj["metadata"]
         m.setdefault("uid", f"uid-{m['name']}")
         m.setdefault("creationTimestamp", "2026-01-01T00:00:00Z")
-        self.objs[(obj["kind"], m["namespace"], m["name"])] = copy.deepcopy(obj)
+        with self.lock:
+            self.objs[(obj["kind"], m["namespace"], m["name"])] = copy.deepcopy(obj)
         return obj
 
     def get(self, kind: str, ns: str, name: str) -> dict[str, Any] | None:
-        o = self.objs.get((kind, ns, name))
-        return copy.deepcopy(o) if o else None
+        with self.lock:
+            o = self.objs.get((kind, ns, name))
+            return copy.deepcopy(o) if o else None
 
     def list(self, kind: str, ns: str, selector: str | None = None) -> list[dict[str, Any]]:
         want = dict(kv.split("=", 1) for kv in selector.split(",")) if selector else {}
         out = []
-        for (k, n, _), o in self.objs.items():
-            labels = o["metadata"].get("labels") or {}
-            if k == kind and n == ns and all(labels.get(a) == b for a, b in want.items()):
-                out.append(copy.deepcopy(o))
+        with self.lock:
+            for (k, n, _), o in self.objs.items():
+                labels = o["metadata"].get("labels") or {}
+                if k == kind and n == ns and all(labels.get(a) == b for a, b in want.items()):
+                    out.append(copy.deepcopy(o))
         return out
 
     def create(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         m = obj["metadata"]
-        if (obj["kind"], m["namespace"], m["name"]) in self.objs:
-            raise KubeError(409, "exists")
-        self.calls.append(("create", obj["kind"], m["name"]))
-        return self.put(copy.deepcopy(dict(obj)))
+        with self.lock:
+            if (obj["kind"], m["namespace"], m["name"]) in self.objs:
+                raise KubeError(409, "exists")
+            self.calls.append(("create", obj["kind"], m["name"]))
+            return self.put(copy.deepcopy(dict(obj)))
 
     def create_if_absent(self, obj: Mapping[str, Any]) -> bool:
         try:
@@ -68,63 +80,74 @@ class FakeKube:
 
     def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         m = obj["metadata"]
-        self.calls.append(("apply", obj["kind"], m["name"]))
-        cur = self.objs.get((obj["kind"], m["namespace"], m["name"]))
-        new = copy.deepcopy(dict(obj))
-        if cur and "status" in cur:
-            new["status"] = cur["status"]
-        return self.put(new)
+        with self.lock:
+            self.calls.append(("apply", obj["kind"], m["name"]))
+            cur = self.objs.get((obj["kind"], m["namespace"], m["name"]))
+            new = copy.deepcopy(dict(obj))
+            if cur and "status" in cur:
+                new["status"] = cur["status"]
+            return self.put(new)
 
     def merge_patch(
         self, kind: str, ns: str, name: str, patch: Mapping[str, Any], sub: str | None = None
     ) -> dict[str, Any]:
-        o = self.objs.get((kind, ns, name))
-        if o is None:
-            raise KubeError(404, f"{kind} {name} not found")
-        self.calls.append(("patch", kind, name))
-        return merge(o, patch)
+        with self.lock:
+            o = self.objs.get((kind, ns, name))
+            if o is None:
+                raise KubeError(404, f"{kind} {name} not found")
+            self.calls.append(("patch", kind, name))
+            return copy.deepcopy(merge(o, patch))
 
     def delete(self, kind: str, ns: str, name: str) -> bool:
-        return self.objs.pop((kind, ns, name), None) is not None
+        with self.lock:
+            return self.objs.pop((kind, ns, name), None) is not None
 
 
-class FakeStatus:
-    def __init__(self, state: str, raw: dict[str, Any]) -> None:
-        self.state = state
-        self.raw = raw
+def reply(state: str = "Ready", **doc: Any) -> StatusReply:
+    return StatusReply.from_json({"state": state, **doc})
 
 
 class FakeAgent:
-    """Records calls; checkpoint() returns a manifest or raises what it was given."""
+    """Every pod's agent: records calls; checkpoint() returns a manifest or raises.
+
+    With `release` set, checkpoint() waits for it, as a real agent takes minutes.
+    """
 
     def __init__(
         self,
         manifest: dict[str, Any] | None = None,
         error: Exception | None = None,
-        statuses: list[FakeStatus] | None = None,
+        statuses: list[StatusReply] | None = None,
+        release: threading.Event | None = None,
     ) -> None:
         self.manifest = manifest
         self.error = error
-        self.statuses = statuses or [FakeStatus("Ready", {"restored_with_mmap": False})]
+        self.statuses = statuses or [reply("Ready")]
+        self.release = release
         self.checkpoints: list[str] = []
-        self.seen_labels: list[str | None] = []
-        self.kube: FakeKube | None = None
+        self.urls: list[str] = []
+        self.token = ""
+        self.in_checkpoint = threading.Event()
+        self.during: Callable[[], None] | None = None
 
     def __call__(self, url: str, token: str) -> FakeAgent:
-        self.url, self.token = url, token
+        self.urls.append(url)
+        self.token = token
         return self
 
     def checkpoint(self, directory: str, timeout: float = 0) -> dict[str, Any]:
         self.checkpoints.append(directory)
-        if self.kube is not None:  # what the Service would see during the checkpoint
-            pod = next(iter(self.kube.list("Pod", "ns")))
-            self.seen_labels.append(pod["metadata"]["labels"].get("rekindle.dev/serving"))
+        self.in_checkpoint.set()
+        if self.during is not None:
+            self.during()
+        if self.release is not None:
+            assert self.release.wait(10), "the test never released the checkpoint"
         if self.error:
             raise self.error
         assert self.manifest is not None
         return self.manifest
 
-    def status(self) -> FakeStatus:
+    def status(self) -> StatusReply:
         return self.statuses.pop(0) if len(self.statuses) > 1 else self.statuses[0]
 
 
@@ -138,22 +161,37 @@ MANIFEST = {
     "fingerprint": {"vllm": "0.32.0"},
     "verified": {"ok": True},
 }
+Events = list[tuple[str, str, str]]
 
 
-def world() -> tuple[FakeKube, list[tuple[str, str, str]]]:
+def isvc_obj(name: str) -> dict[str, Any]:
+    return {
+        "kind": "InferenceService",
+        "apiVersion": "rekindle.dev/v1alpha1",
+        "metadata": {"name": name, "namespace": NS, "generation": 1},
+        "spec": {
+            "model": {"source": "/models/tiny"},
+            "runtime": {"device": "cpu"},
+            "multimodal": {"cacheSize": "512Mi", "maxObjectMiB": 64},
+        },
+    }
+
+
+def pod_obj(name: str, isvc: str = "tiny", ip: str = "10.244.0.9") -> dict[str, Any]:
+    return {
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": NS,
+            "labels": {"rekindle.dev/inferenceservice": isvc, "rekindle.dev/serving": "true"},
+        },
+        "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]},
+    }
+
+
+def world() -> tuple[FakeKube, Events]:
     kube = FakeKube()
-    kube.put(
-        {
-            "kind": "InferenceService",
-            "apiVersion": "rekindle.dev/v1alpha1",
-            "metadata": {"name": "tiny", "namespace": NS, "generation": 1},
-            "spec": {
-                "model": {"source": "/models/tiny"},
-                "runtime": {"device": "cpu"},
-                "multimodal": {"cacheSize": "512Mi", "maxObjectMiB": 64},
-            },
-        }
-    )
+    kube.put(isvc_obj("tiny"))
     kube.put(
         {
             "kind": "Secret",
@@ -161,19 +199,8 @@ def world() -> tuple[FakeKube, list[tuple[str, str, str]]]:
             "data": {"token": base64.b64encode(b"tok").decode()},
         }
     )
-    kube.put(
-        {
-            "kind": "Pod",
-            "metadata": {
-                "name": "tiny-abc",
-                "namespace": NS,
-                "labels": {"rekindle.dev/inferenceservice": "tiny", "rekindle.dev/serving": "true"},
-            },
-            "status": {"podIP": "10.244.0.9", "conditions": [{"type": "Ready", "status": "True"}]},
-        }
-    )
-    events: list[tuple[str, str, str]] = []
-    return kube, events
+    kube.put(pod_obj("tiny-abc"))
+    return kube, []
 
 
 def new_ckpt(kube: FakeKube, name: str = "c1", isvc: str = "tiny", **status: Any) -> dict[str, Any]:
@@ -187,13 +214,40 @@ def new_ckpt(kube: FakeKube, name: str = "c1", isvc: str = "tiny", **status: Any
     return kube.put(obj)
 
 
+def ckpt_status(kube: FakeKube, name: str = "c1") -> dict[str, Any]:
+    obj = kube.get("Checkpoint", NS, name)
+    assert obj is not None
+    return dict(obj.get("status") or {})
+
+
+def serving(kube: FakeKube, pod: str = "tiny-abc") -> str | None:
+    obj = kube.get("Pod", NS, pod)
+    assert obj is not None
+    return obj["metadata"]["labels"].get("rekindle.dev/serving")  # type: ignore[no-any-return]
+
+
+def drive(
+    kube: FakeKube, agents: Agents, events: Events, name: str = "c1", steps: int = 200
+) -> dict[str, Any]:
+    """What the operator's timer does: step until the Checkpoint is finished."""
+    body = kube.get("Checkpoint", NS, name)
+    assert body is not None
+    for _ in range(steps):
+        st = cp.step(kube, body, lambda *e: events.append(e), agents)
+        if not cp.unfinished(st):
+            return st
+        time.sleep(0.01)
+    raise AssertionError(f"Checkpoint {name} still {ckpt_status(kube, name)}")
+
+
 def test_checkpoint_ready_pod_out_of_rotation_then_back() -> None:
     kube, events = world()
     agent = FakeAgent(manifest=MANIFEST)
-    agent.kube = kube
-    body = new_ckpt(kube)
-    cp.run_checkpoint(kube, body, lambda *e: events.append(e), client_for=agent)
-    st = kube.get("Checkpoint", NS, "c1")["status"]  # type: ignore[index]
+    seen: list[str | None] = []
+    agent.during = lambda: seen.append(serving(kube))  # what the Service sees meanwhile
+    new_ckpt(kube)
+    drive(kube, Agents(agent), events)
+    st = ckpt_status(kube)
     assert st["phase"] == "Ready"
     assert st["sizeBytes"] == 4 * 2**20 and st["size"] == "4.0Mi"
     assert st["phaseSeconds"] == {"drain": 0.01, "dump": 2.5, "verify": 1.25}
@@ -201,10 +255,9 @@ def test_checkpoint_ready_pod_out_of_rotation_then_back() -> None:
     assert st["fingerprint"] == spec_fingerprint(spec_of(isvc))  # type: ignore[arg-type]
     assert st["path"] == b.checkpoint_path("tiny", "c1", "0123456789")
     assert agent.checkpoints == [st["path"]]
-    assert agent.url == "http://10.244.0.9:8081" and agent.token == "tok"
-    assert agent.seen_labels == [None]  # out of the Service while checkpointing
-    pod = kube.get("Pod", NS, "tiny-abc")
-    assert pod["metadata"]["labels"]["rekindle.dev/serving"] == "true"  # type: ignore[index]
+    assert set(agent.urls) == {"http://10.244.0.9:8081"} and agent.token == "tok"
+    assert seen == [None]  # out of the Service while checkpointing
+    assert serving(kube) == "true"
     cm = kube.get("ConfigMap", NS, "tiny-rekindle")
     assert cm["data"]["checkpoint"] == st["path"]  # type: ignore[index]
     owner = kube.get("Checkpoint", NS, "c1")["metadata"]["ownerReferences"][0]  # type: ignore[index]
@@ -212,138 +265,210 @@ def test_checkpoint_ready_pod_out_of_rotation_then_back() -> None:
     assert [r for _, r, _ in events] == ["CheckpointStarted", "CheckpointReady"]
 
 
+def test_a_step_never_waits_for_the_agent() -> None:
+    kube, events = world()
+    release = threading.Event()
+    agent = FakeAgent(
+        manifest=MANIFEST, release=release, statuses=[reply("Ready"), reply("Checkpointing")]
+    )
+    agents = Agents(agent)
+    body = new_ckpt(kube)
+    t0 = time.monotonic()
+    st = cp.step(kube, body, lambda *e: events.append(e), agents)
+    assert st["phase"] == "Running" and agent.in_checkpoint.wait(5)
+    st = cp.step(kube, body, lambda *e: events.append(e), agents)
+    assert time.monotonic() - t0 < 5, "a step waited for the agent's checkpoint"
+    assert st["phase"] == "Running" and ckpt_status(kube)["agentState"] == "Checkpointing"
+    assert serving(kube) is None
+    release.set()
+    agent.statuses = [reply("Ready")]
+    assert drive(kube, agents, events)["phase"] == "Ready"
+    assert serving(kube) == "true"
+    assert "agentState" not in ckpt_status(kube)
+
+
+def test_other_inference_services_reconcile_while_a_checkpoint_runs() -> None:
+    """One worker, as in kopf's pool at its busiest: the checkpoint must not hold it."""
+    kube, events = world()
+    kube.put(isvc_obj("other"))
+    kube.put(pod_obj("other-xyz", isvc="other", ip="10.244.0.10"))
+    release = threading.Event()
+    agent = FakeAgent(
+        manifest=MANIFEST, release=release, statuses=[reply("Ready"), reply("Checkpointing")]
+    )
+    agents = Agents(agent)
+    body = new_ckpt(kube)
+    emit = lambda *e: events.append(e)  # noqa: E731
+    with ThreadPoolExecutor(max_workers=1) as workers:
+        workers.submit(cp.step, kube, body, emit, agents).result(timeout=5)
+        assert agent.in_checkpoint.wait(5)
+        other = kube.get("InferenceService", NS, "other")
+        status = workers.submit(reconcile, kube, other, emit, agents).result(timeout=5)
+        assert not release.is_set() and ckpt_status(kube)["phase"] == "Running"
+        assert status["phase"] == "Progressing"  # reconciled while the agent still dumps
+        assert kube.get("Deployment", NS, "other") is not None
+        release.set()
+        agent.statuses = [reply("Ready")]
+        for _ in range(500):
+            if not cp.unfinished(workers.submit(cp.step, kube, body, emit, agents).result(5)):
+                break
+            time.sleep(0.01)
+    assert ckpt_status(kube)["phase"] == "Ready"
+
+
 def test_agent_failure_fails_checkpoint_and_pod_serves() -> None:
     kube, events = world()
     agent = FakeAgent(error=RuntimeError("criu dump: io_uring in the tree"))
-    cp.run_checkpoint(kube, new_ckpt(kube), lambda *e: events.append(e), client_for=agent)
-    st = kube.get("Checkpoint", NS, "c1")["status"]  # type: ignore[index]
+    new_ckpt(kube)
+    drive(kube, Agents(agent), events)
+    st = ckpt_status(kube)
     assert st["phase"] == "Failed" and st["reason"] == "AgentCheckpointFailed"
     assert "io_uring" in st["message"]
-    pod = kube.get("Pod", NS, "tiny-abc")
-    assert pod["metadata"]["labels"]["rekindle.dev/serving"] == "true"  # type: ignore[index]
+    assert serving(kube) == "true"
     assert kube.get("ConfigMap", NS, "tiny-rekindle") is None
 
 
 def test_pod_not_mmap_restored_is_preferred() -> None:
     kube, events = world()
-    kube.put(
-        {
-            "kind": "Pod",
-            "metadata": {
-                "name": "tiny-old-mmap",
-                "namespace": NS,
-                "creationTimestamp": "2020-01-01T00:00:00Z",
-                "labels": {"rekindle.dev/inferenceservice": "tiny", "rekindle.dev/serving": "true"},
-            },
-            "status": {"podIP": "10.244.0.7", "conditions": [{"type": "Ready", "status": "True"}]},
-        }
-    )
+    old = pod_obj("tiny-old-mmap", ip="10.244.0.7")
+    old["metadata"]["creationTimestamp"] = "2020-01-01T00:00:00Z"
+    kube.put(old)
 
     class PerPod(FakeAgent):
         def __call__(self, url: str, token: str) -> FakeAgent:
             mmap = url.startswith("http://10.244.0.7:")
-            self.statuses = [FakeStatus("Ready", {"restored_with_mmap": mmap})]
+            self.statuses = [reply("Ready", restored_with_mmap=mmap)]
             return super().__call__(url, token)
 
-    agent = PerPod(manifest=MANIFEST)
-    cp.run_checkpoint(kube, new_ckpt(kube), lambda *e: events.append(e), client_for=agent)
-    st = kube.get("Checkpoint", NS, "c1")["status"]  # type: ignore[index]
+    new_ckpt(kube)
+    drive(kube, Agents(PerPod(manifest=MANIFEST)), events)
+    st = ckpt_status(kube)
     assert st["phase"] == "Ready" and st["pod"] == "tiny-abc"
 
 
-def test_busy_agents_mean_retry() -> None:
+def test_busy_agents_mean_waiting() -> None:
     kube, events = world()
-    agent = FakeAgent(statuses=[FakeStatus("Checkpointing", {})])
+    agent = FakeAgent(statuses=[reply("Checkpointing")])
     body = new_ckpt(kube)
-    body["metadata"]["creationTimestamp"] = "2999-01-01T00:00:00Z"
-    with pytest.raises(cp.Retry, match="Checkpointing"):
-        cp.run_checkpoint(kube, body, lambda *e: events.append(e), client_for=agent)
-    st = kube.get("Checkpoint", NS, "c1")["status"]  # type: ignore[index]
-    assert st["phase"] == "Pending" and "agent is Checkpointing" in st["message"]
-
-
-def test_missing_inference_service_fails_at_once() -> None:
-    kube, events = world()
-    cp.run_checkpoint(
-        kube, new_ckpt(kube, isvc="nope"), lambda *e: events.append(e), client_for=FakeAgent()
+    kube.merge_patch(
+        "Checkpoint", NS, "c1", {"metadata": {"creationTimestamp": "2999-01-01T00:00:00Z"}}
     )
-    st = kube.get("Checkpoint", NS, "c1")["status"]  # type: ignore[index]
-    assert st["phase"] == "Failed" and st["reason"] == "InferenceServiceNotFound"
-    assert "'nope'" in st["message"]
+    st = cp.step(kube, body, lambda *e: events.append(e), Agents(agent))
+    assert st["phase"] == "Pending" and "agent is Checkpointing" in st["message"]
+    assert ckpt_status(kube)["reason"] == "WaitingForPod"
+    assert agent.checkpoints == []
 
 
-def test_no_ready_pod_retries() -> None:
+def test_no_ready_pod_in_time_fails() -> None:
     kube, events = world()
     kube.merge_patch(
         "Pod", NS, "tiny-abc", {"status": {"conditions": [{"type": "Ready", "status": "False"}]}}
     )
     body = new_ckpt(kube)
-    body["metadata"]["creationTimestamp"] = "2999-01-01T00:00:00Z"
-    with pytest.raises(cp.Retry):
-        cp.run_checkpoint(kube, body, lambda *e: events.append(e), client_for=FakeAgent())
+    st = cp.step(kube, body, lambda *e: events.append(e), Agents(FakeAgent()))
+    assert st["phase"] == "Failed" and st["reason"] == "NoReadyPod"
+
+
+def test_missing_inference_service_fails_at_once() -> None:
+    kube, events = world()
+    body = new_ckpt(kube, isvc="nope")
+    cp.step(kube, body, lambda *e: events.append(e), Agents(FakeAgent()))
+    st = ckpt_status(kube)
+    assert st["phase"] == "Failed" and st["reason"] == "InferenceServiceNotFound"
+    assert "'nope'" in st["message"]
 
 
 def test_finished_checkpoints_are_left_alone() -> None:
     kube, events = world()
     agent = FakeAgent(manifest=MANIFEST)
     body = new_ckpt(kube, phase="Ready", path="/x")
-    assert (
-        cp.run_checkpoint(kube, body, lambda *e: events.append(e), client_for=agent)["path"] == "/x"
-    )
+    assert cp.step(kube, body, lambda *e: events.append(e), Agents(agent))["path"] == "/x"
     assert agent.checkpoints == [] and events == []
 
 
 def running(kube: FakeKube) -> dict[str, Any]:
+    """A Checkpoint another operator process started (this one has no call for it)."""
     path = b.checkpoint_path("tiny", "c1", "0123456789")
     kube.merge_patch(
         "Pod", NS, "tiny-abc", {"metadata": {"labels": {"rekindle.dev/serving": None}}}
     )
     return new_ckpt(
-        kube, phase="Running", pod="tiny-abc", path=path, startedAt="2026-01-01T00:00:00Z"
+        kube, phase="Running", pod="tiny-abc", path=path, startedAt="2999-01-01T00:00:00Z"
     )
 
 
-def test_operator_restart_mid_checkpoint_fails_cleanly() -> None:
+def test_operator_restart_waits_for_the_agent_then_fails_cleanly() -> None:
     kube, events = world()
-    agent = FakeAgent(statuses=[FakeStatus("Checkpointing", {}), FakeStatus("Ready", {})])
-    cp.run_checkpoint(kube, running(kube), lambda *e: events.append(e), client_for=agent, poll_s=0)
-    st = kube.get("Checkpoint", NS, "c1")["status"]  # type: ignore[index]
+    agent = FakeAgent(statuses=[reply("Checkpointing"), reply("Ready")])
+    body = running(kube)
+    st = cp.step(kube, body, lambda *e: events.append(e), Agents(agent))
+    assert st["phase"] == "Running" and serving(kube) is None  # still busy: look again
+    st = cp.step(kube, body, lambda *e: events.append(e), Agents(agent))
     assert st["phase"] == "Failed" and st["reason"] == "OperatorRestarted"
     assert agent.checkpoints == []  # no second checkpoint started
-    pod = kube.get("Pod", NS, "tiny-abc")
-    assert pod["metadata"]["labels"]["rekindle.dev/serving"] == "true"  # type: ignore[index]
+    assert serving(kube) == "true"
 
 
-def test_operator_restart_mid_checkpoint_finishes_when_agent_reports_it() -> None:
+def test_operator_restart_finishes_when_agent_reports_it() -> None:
     kube, events = world()
     body = running(kube)
     last = {"dir": body["status"]["path"], "ok": True, "timings": {"dump": 1.5}}
-    agent = FakeAgent(statuses=[FakeStatus("Ready", {"last_checkpoint": last})])
-    cp.run_checkpoint(kube, body, lambda *e: events.append(e), client_for=agent, poll_s=0)
-    st = kube.get("Checkpoint", NS, "c1")["status"]  # type: ignore[index]
+    agent = FakeAgent(statuses=[reply("Ready", last_checkpoint=last)])
+    cp.step(kube, body, lambda *e: events.append(e), Agents(agent))
+    st = ckpt_status(kube)
     assert st["phase"] == "Ready" and st["verified"] is True
     assert st["phaseSeconds"] == {"dump": 1.5}
+    assert kube.get("ConfigMap", NS, "tiny-rekindle")["data"]["checkpoint"] == st["path"]  # type: ignore[index]
+    assert serving(kube) == "true"
+
+
+def test_operator_restart_reports_the_agents_own_failure() -> None:
+    kube, events = world()
+    body = running(kube)
+    last = {"dir": body["status"]["path"], "ok": False, "error": "criu dump failed: EPERM"}
+    agent = FakeAgent(statuses=[reply("Ready", last_checkpoint=last)])
+    cp.step(kube, body, lambda *e: events.append(e), Agents(agent))
+    st = ckpt_status(kube)
+    assert st["reason"] == "AgentCheckpointFailed" and "EPERM" in st["message"]
 
 
 def test_restart_with_pod_gone() -> None:
     kube, events = world()
     body = running(kube)
     kube.delete("Pod", NS, "tiny-abc")
-    cp.run_checkpoint(kube, body, lambda *e: events.append(e), client_for=FakeAgent(), poll_s=0)
-    assert kube.get("Checkpoint", NS, "c1")["status"]["reason"] == "PodGone"  # type: ignore[index]
+    cp.step(kube, body, lambda *e: events.append(e), Agents(FakeAgent()))
+    assert ckpt_status(kube)["reason"] == "PodGone"
+
+
+def test_deleting_a_running_checkpoint_waits_for_the_agent() -> None:
+    kube, events = world()
+    release = threading.Event()
+    agent = FakeAgent(manifest=MANIFEST, release=release)
+    agents = Agents(agent)
+    cp.step(kube, new_ckpt(kube), lambda *e: events.append(e), agents)
+    assert agent.in_checkpoint.wait(5)
+    body = kube.get("Checkpoint", NS, "c1")
+    with pytest.raises(cp.Retry, match="still checkpointing"):
+        cp.delete_data(kube, body, lambda *e: None, agents)  # type: ignore[arg-type]
+    release.set()
+    call = agents.checkpoint_call("0123456789")
+    assert call is not None and call.finished.wait(5)
+    assert cp.delete_data(kube, body, lambda *e: None, agents).startswith("deleting")  # type: ignore[arg-type]
+    assert serving(kube) == "true"
 
 
 def test_delete_policy_survives_the_inference_service() -> None:
     kube, events = world()
-    agent = FakeAgent(manifest=MANIFEST)
-    cp.run_checkpoint(kube, new_ckpt(kube), lambda *e: events.append(e), client_for=agent)
+    agents = Agents(FakeAgent(manifest=MANIFEST))
+    new_ckpt(kube)
+    drive(kube, agents, events)
     body = kube.get("Checkpoint", NS, "c1")
     kube.delete("InferenceService", NS, "tiny")
-    assert cp.delete_data(kube, body, lambda *e: events.append(e)).startswith("deleting")  # type: ignore[arg-type]
+    assert cp.delete_data(kube, body, lambda *e: events.append(e), agents).startswith("deleting")  # type: ignore[arg-type]
     (job,) = [o for (k, _, _), o in kube.objs.items() if k == "Job"]
     assert job["spec"]["template"]["spec"]["containers"][0]["command"][-1] == body["status"]["path"]  # type: ignore[index]
     body["spec"]["deletionPolicy"] = "Retain"  # type: ignore[index]
-    assert cp.delete_data(kube, body, lambda *e: None).startswith("retained")  # type: ignore[arg-type]
+    assert cp.delete_data(kube, body, lambda *e: None, agents).startswith("retained")  # type: ignore[arg-type]
 
 
 def test_reconcile_creates_objects_and_points_at_checkpoint() -> None:
@@ -367,13 +492,14 @@ def test_reconcile_creates_objects_and_points_at_checkpoint() -> None:
         path="/c/other",
         completedAt="2026-01-03T00:00:00Z",
     )
-    agent_reply = {"origin": "restored", "checkpoint": "/c/good", "state": "Ready"}
-    st = reconcile(
-        kube,
-        isvc,
-        lambda *e: events.append(e),  # type: ignore[arg-type]
-        ask=lambda url, tok: (agent_reply, None),
+    agent = FakeAgent(
+        statuses=[
+            reply(
+                "Ready", origin="restored", checkpoint="/c/good", started_at=100.0, ready_at=103.5
+            )
+        ]
     )
+    st = reconcile(kube, isvc, lambda *e: events.append(e), Agents(agent))  # type: ignore[arg-type]
     assert {k for k, _, _ in kube.objs} >= {
         "Deployment",
         "Service",
@@ -385,15 +511,23 @@ def test_reconcile_creates_objects_and_points_at_checkpoint() -> None:
     assert kube.get("Checkpoint", NS, "other")["status"]["stale"] is True  # type: ignore[index]
     assert st["checkpoint"] == "good"
     assert st["pods"][0]["origin"] == "restored"
-    pod = kube.get("Pod", NS, "tiny-abc")
-    assert pod["metadata"]["annotations"]["rekindle.dev/boot-path"] == "restored"  # type: ignore[index]
+    assert st["pods"][0]["agentReadySeconds"] == 3.5
+    ann = kube.get("Pod", NS, "tiny-abc")["metadata"]["annotations"]  # type: ignore[index]
+    assert ann["rekindle.dev/boot-path"] == "restored"
+    assert ann["rekindle.dev/agent-ready-seconds"] == "3.500"
     token = kube.get("Secret", NS, "tiny-agent-token")["data"]["token"]  # type: ignore[index]
-    reconcile(
-        kube,
-        kube.get("InferenceService", NS, "tiny"),
-        lambda *e: None,  # type: ignore[arg-type]
-        ask=lambda url, tok: (agent_reply, None),
-    )
+    # After a checkpoint the agent's ready_at moves on; the pod keeps its first figure.
+    agent.statuses = [
+        reply(
+            "Ready",
+            origin="restored",
+            started_at=100.0,
+            ready_at=900.0,
+            last_checkpoint={"dir": "/c/x", "ok": True},
+        )
+    ]
+    st = reconcile(kube, kube.get("InferenceService", NS, "tiny"), lambda *e: None, Agents(agent))  # type: ignore[arg-type]
+    assert st["pods"][0]["agentReadySeconds"] == 3.5
     assert kube.get("Secret", NS, "tiny-agent-token")["data"]["token"] == token  # type: ignore[index]
 
 
@@ -404,7 +538,7 @@ def test_reconcile_refuses_undersized_shm_without_touching_deployment() -> None:
         kube,
         kube.get("InferenceService", NS, "tiny"),  # type: ignore[arg-type]
         lambda *e: events.append(e),
-        ask=lambda u, t: (None, "x"),
+        Agents(FakeAgent(error=RuntimeError("x"))),
     )
     assert st["phase"] == "Failed"
     assert kube.get("Deployment", NS, "tiny") is None

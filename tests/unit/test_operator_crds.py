@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 import yaml
+from rekindle_contract.vllm_argv import MANAGED_VLLM_FLAGS
 from rekindle_operator.constants import CKPT_PLURAL, GROUP, ISVC_PLURAL, VERSION
 
 CRDS = Path(__file__).resolve().parents[2] / "charts" / "rekindle" / "crds"
@@ -81,3 +83,18 @@ def test_printer_columns() -> None:
     assert {"Replicas", "Ready", "Phase", "Checkpoint", "SHM"} <= cols
     cols = {c["name"] for c in version(crd(CKPT_PLURAL))["additionalPrinterColumns"]}
     assert {"InferenceService", "Phase", "Size", "Stale"} <= cols
+
+
+def test_vllm_args_rule_refuses_exactly_the_managed_flags() -> None:
+    """The CEL regex and vllm_argv()'s list of the flags it sets must not drift apart."""
+    props = version(crd(ISVC_PLURAL))["schema"]["openAPIV3Schema"]["properties"]["spec"][
+        "properties"
+    ]
+    (rule,) = [r["rule"] for r in rules(props["vllmArgs"])]
+    m = re.search(r"\^\(([^)]*)\)\(=\.\*\)\?\$", rule)
+    assert m, rule
+    assert sorted(m.group(1).split("|")) == sorted(MANAGED_VLLM_FLAGS)
+    pattern = re.compile(f"^({m.group(1)})(=.*)?$")
+    for flag in MANAGED_VLLM_FLAGS:
+        assert pattern.match(flag) and pattern.match(f"{flag}=1")
+    assert not pattern.match("--max-num-seqs") and not pattern.match("--portable")

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from rekindle_operator import cluster_bench as bench
+from rekindle_operator.kube import KubeError
 from rekindle_operator.kubectl_plugin import (
     build_parser,
     checkpoint_object,
@@ -82,7 +84,13 @@ def test_format_status_mentions_boot_paths_and_stale() -> None:
             "checkpoint": "c2",
             "sharedMemory": {"size": "1216Mi", "totalBytes": 1216 * 2**20},
             "pods": [
-                {"name": "tiny-a", "origin": "booted", "reason": "checksum_mismatch", "ready": True}
+                {
+                    "name": "tiny-a",
+                    "origin": "booted",
+                    "reason": "checksum_mismatch",
+                    "ready": True,
+                    "agentReadySeconds": 41.2,
+                }
             ],
             "lastColdStartSeconds": {"booted": 40.0, "restored": 3.1},
         },
@@ -98,28 +106,83 @@ def test_format_status_mentions_boot_paths_and_stale() -> None:
     assert "booted (checksum_mismatch)" in text
     assert "c1: Ready STALE" in text
     assert "restored 3.1s" in text
+    assert "agent ready in 41.2s" in text
 
 
 def test_bench_summary_and_table() -> None:
-    trials = [bench.Trial("naive", i, 30.0 + i, 31.0 + i, "booted", "") for i in range(3)] + [
-        bench.Trial("restore", i, 3.0 + i, 3.5 + i, "restored", "") for i in range(3)
+    trials = [bench.Trial("naive", i, 30.0 + i, 31.0 + i, "booted", "", 28.0) for i in range(3)] + [
+        bench.Trial("restore", i, 3.0 + i, 3.5 + i, "restored", "", 1.5) for i in range(3)
     ]
     s = bench.summarize_trials(trials)
     assert s["naive"]["first_token_s"]["median"] == 32.0
     assert s["restore"]["ready_s"]["min"] == 3.0 and s["restore"]["ready_s"]["max"] == 5.0
+    assert s["restore"]["agent_ready_s"]["median"] == 1.5
     text = bench.table(s)
     assert "speedup" in text and f"{32.0 / 4.5:.1f}x" in text
+    assert "agent ready" in text and "1.50s [1.50-1.50]" in text
     assert "p25" in bench.summarize([1.0, 2.0, 3.0, 4.0])
+
+
+def test_bench_without_the_agents_figure() -> None:
+    trials = [bench.Trial("naive", 0, 30.0, 31.0, "booted", "")]
+    s = bench.summarize_trials(trials)
+    assert "agent_ready_s" not in s["naive"]
+    assert "speedup" not in bench.table(s)
 
 
 def test_bench_writes_json_and_png(tmp_path: Path) -> None:
     trials = [
-        bench.Trial("naive", 0, 30.0, 31.0, "booted", ""),
-        bench.Trial("restore", 0, 3.0, 3.5, "restored", ""),
+        bench.Trial("naive", 0, 30.0, 31.0, "booted", "", 29.0),
+        bench.Trial("restore", 0, 3.0, 3.5, "restored", "", 2.0),
     ]
     bench.write_json(tmp_path / "r.json", trials, {"command": "kubectl rekindle bench tiny"})
     doc = json.loads((tmp_path / "r.json").read_text())
     assert doc["summary"]["restore"]["first_token_s"]["median"] == 3.5
     assert [t["origin"] for t in doc["trials"]] == ["booted", "restored"]
+    assert [t["agent_ready_s"] for t in doc["trials"]] == [29.0, 2.0]
     bench.plot(trials, tmp_path / "r.png", "t")
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bench.plot(trials[:1], tmp_path / "one.png", "t")
+    assert (tmp_path / "one.png").stat().st_size > 0
+
+
+class ProxyKube:
+    """Records what the bench asks the apiserver; answers like the service proxy."""
+
+    def __init__(self, answers: list[Any]) -> None:
+        self.answers = answers
+        self.requests: list[tuple[str, str, Any]] = []
+        self.pod: dict[str, Any] = {"metadata": {"annotations": {}}}
+
+    def request(self, method: str, path: str, body: Any = None, **_: Any) -> Any:
+        self.requests.append((method, path, body))
+        answer = self.answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    def get(self, kind: str, ns: str, name: str) -> dict[str, Any]:
+        return self.pod
+
+
+def test_first_token_goes_through_the_apiserver_service_proxy() -> None:
+    from rekindle_operator.pods import service_completion
+
+    kube = ProxyKube([KubeError(503, "no endpoints available"), {"choices": [{"text": "x"}]}])
+    assert not service_completion(kube, "ns", "tiny", "tiny")  # type: ignore[arg-type]
+    assert service_completion(kube, "ns", "tiny", "tiny")  # type: ignore[arg-type]
+    method, path, body = kube.requests[-1]
+    assert method == "POST"
+    assert path == "/api/v1/namespaces/ns/services/tiny:8000/proxy/v1/completions"
+    assert body["model"] == "tiny" and body["max_tokens"] == 1
+
+
+def test_pod_report_reads_what_the_operator_mirrored() -> None:
+    kube = ProxyKube([])
+    kube.pod["metadata"]["annotations"] = {
+        "rekindle.dev/boot-path": "restored",
+        "rekindle.dev/agent-ready-seconds": "2.250",
+    }
+    assert bench.pod_report(kube, "ns", "p") == ("restored", "", 2.25)  # type: ignore[arg-type]
+    kube.pod["metadata"]["annotations"] = {"rekindle.dev/boot-path": "booted"}
+    assert bench.pod_report(kube, "ns", "p", wait_s=0) == ("booted", "", None)  # type: ignore[arg-type]

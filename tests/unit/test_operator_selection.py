@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rekindle_operator.selection import newest_usable, pick_pod, stale_changes
+from rekindle_operator.selection import newest_usable, ready_pods, stale_changes
 
 
 def ckpt(
@@ -78,7 +78,7 @@ def pod(
     return {"metadata": meta, "status": st}
 
 
-def test_pick_pod_oldest_ready() -> None:
+def test_ready_pods_oldest_first() -> None:
     pods = [
         pod("young", created="2026-01-02T00:00:00Z"),
         pod("old"),
@@ -86,7 +86,7 @@ def test_pick_pod_oldest_ready() -> None:
         pod("noip", ip=None),
         pod("gone", deleting=True, created="2025-01-01T00:00:00Z"),
     ]
-    assert pick_pod(pods)["metadata"]["name"] == "old"  # type: ignore[index]
-    assert pick_pod(pods, "young")["metadata"]["name"] == "young"  # type: ignore[index]
-    assert pick_pod(pods, "unready") is None
-    assert pick_pod([]) is None
+    assert [p["metadata"]["name"] for p in ready_pods(pods)] == ["old", "young"]
+    assert [p["metadata"]["name"] for p in ready_pods(pods, "young")] == ["young"]
+    assert ready_pods(pods, "unready") == []
+    assert ready_pods([]) == []

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rekindle_operator import shm
+from rekindle_operator import shm_sizing as shm
 from rekindle_operator.quantity import GiB, MiB
 from rekindle_operator.spec import parse_spec
 
@@ -57,3 +57,20 @@ def test_need_grows_with_every_input() -> None:
 def test_as_status_keys() -> None:
     st = shm.shm_need(spec()).as_status()  # type: ignore[arg-type]
     assert st["totalBytes"] == sum(v for k, v in st.items() if k != "totalBytes")
+
+
+def test_explicit_size_below_the_need_is_refused_with_the_number() -> None:
+    s = spec(multimodal={"cacheSize": "512Mi"}, sharedMemory={"size": "600Mi"})
+    need = shm.shm_need(s)  # type: ignore[arg-type]
+    msg = shm.shm_shortfall(s, need)  # type: ignore[arg-type]
+    assert msg is not None
+    assert f"{need.total // 2**20}Mi" in msg and "600Mi" in msg
+    assert shm.effective_shm_bytes(s, need) == 600 * MiB  # type: ignore[arg-type]
+
+
+def test_no_explicit_size_means_the_need() -> None:
+    s = spec()
+    need = shm.shm_need(s)  # type: ignore[arg-type]
+    assert shm.shm_shortfall(s, need) is None  # type: ignore[arg-type]
+    assert shm.effective_shm_bytes(s, need) == need.total  # type: ignore[arg-type]
+    assert shm.memory_limit_bytes(s, need.total) == 8 * GiB + need.total  # type: ignore[arg-type]

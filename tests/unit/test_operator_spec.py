@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from rekindle_contract.vllm_argv import MANAGED_VLLM_FLAGS
 from rekindle_operator.quantity import mib_str, parse_quantity, to_bytes
 from rekindle_operator.spec import SpecError, parse_spec
 
@@ -47,6 +48,13 @@ def test_restart_annotation_is_carried() -> None:
 def test_refusals_name_the_field(spec: dict[str, object], words: str) -> None:
     with pytest.raises((SpecError, ValueError), match=words.replace("(", r"\(")):
         parse(**spec)
+
+
+@pytest.mark.parametrize("flag", MANAGED_VLLM_FLAGS)
+def test_every_managed_vllm_flag_is_refused(flag: str) -> None:
+    for args in ([flag, "1"], [f"{flag}=1"]):
+        with pytest.raises(SpecError, match="manages"):
+            parse(vllmArgs=args)
 
 
 def test_missing_model_source() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rekindle_contract.api import StatusReply
 from rekindle_operator.status import (
     Observed,
     PodBoot,
@@ -91,17 +92,59 @@ def test_pod_boot_from_agent_reply() -> None:
             ]
         },
     }
-    restored = pod_boot(p, {"origin": "restored", "checkpoint": "/c/x"}, None)
+    restored = pod_boot(
+        p,
+        StatusReply.from_json(
+            {
+                "state": "Ready",
+                "origin": "restored",
+                "checkpoint": "/c/x",
+                "started_at": 1000.0,
+                "ready_at": 1002.25,
+            }
+        ),
+        None,
+    )
     assert restored.origin == "restored" and restored.reason == ""
     assert restored.cold_start_seconds == 5.0
+    assert restored.agent_ready_seconds == 2.25
     booted = pod_boot(
         p,
-        {"origin": "booted", "last_fallback": {"reason": "file_missing", "message": "pages-1.img"}},
+        StatusReply.from_json(
+            {
+                "state": "Ready",
+                "origin": "booted",
+                "last_fallback": {"reason": "file_missing", "message": "pages-1.img"},
+            }
+        ),
         None,
     )
     assert booted.reason == "file_missing: pages-1.img"
+    assert booted.agent_ready_seconds is None  # an agent that does not say when
     unknown = pod_boot(p, None, "connection refused")
     assert unknown.origin == "unknown" and "refused" in unknown.reason
+    booting = pod_boot(
+        p, StatusReply.from_json({"state": "Restoring", "message": "prefetching"}), None
+    )
+    assert booting.origin == "unknown" and booting.reason == "agent is Restoring: prefetching"
+
+
+def test_agent_ready_seconds_recorded_on_the_pod_win() -> None:
+    p = {"metadata": {"name": "p", "annotations": {"rekindle.dev/agent-ready-seconds": "4.000"}}}
+    later = StatusReply.from_json(
+        {"state": "Ready", "origin": "booted", "started_at": 1.0, "ready_at": 500.0}
+    )
+    assert pod_boot(p, later, None).agent_ready_seconds == 4.0
+    after_checkpoint = StatusReply.from_json(
+        {
+            "state": "Ready",
+            "origin": "booted",
+            "started_at": 1.0,
+            "ready_at": 500.0,
+            "last_checkpoint": {"dir": "/c", "ok": True},
+        }
+    )
+    assert pod_boot({"metadata": {"name": "p"}}, after_checkpoint, None).agent_ready_seconds is None
 
 
 def test_condition_time_moves_only_on_flip() -> None:

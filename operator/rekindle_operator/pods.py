@@ -1,0 +1,157 @@
+"""All talking to pods: their agents' admin API, and the OpenAI API behind a Service.
+
+The operator asks each pod's agent how its vLLM came up (GET /v1/status) and
+asks one agent to checkpoint (POST /v1/checkpoint). That POST answers only once
+the agent has drained, dumped and verified by restoring, which takes minutes,
+so it runs in a background thread of its own: the caller starts it and looks
+at it again in short steps, and no kopf worker ever waits on it.
+
+`kubectl rekindle bench` sends its completions through the apiserver's
+service proxy rather than to pod IPs, so it works wherever kubectl does.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import urllib3
+from rekindle_contract.api import ADMIN_PORT, SERVE_PORT, AgentClient, StatusReply
+from rekindle_contract.manifest import Manifest
+from rekindle_contract.pod import TOKEN_KEY
+
+from rekindle_operator.builders import secret_name
+from rekindle_operator.kube import Kube, KubeError, service_proxy_path
+
+log = logging.getLogger(__name__)
+
+Body = Mapping[str, Any]
+
+# A status request is answered at once, even while the agent checkpoints.
+STATUS_TIMEOUT_S = 3.0
+# States in which an agent is working on a checkpoint (or the restore that verifies it).
+BUSY_STATES = ("Draining", "Checkpointing", "Restoring")
+
+
+class Agent(Protocol):
+    """What the operator calls on one agent (AgentClient; a fake in tests)."""
+
+    def status(self) -> StatusReply: ...
+
+    def checkpoint(self, directory: str, timeout: float = ...) -> Manifest: ...
+
+
+AgentFactory = Callable[[str, str], Agent]  # (admin base URL, bearer token) -> Agent
+
+
+def _client(url: str, token: str) -> Agent:
+    return AgentClient(url, token, timeout=STATUS_TIMEOUT_S)
+
+
+def agent_url(pod: Body) -> str:
+    return f"http://{pod['status']['podIP']}:{ADMIN_PORT}"
+
+
+def read_token(kube: Kube, namespace: str, isvc: str) -> str:
+    """The bearer token of isvc's agents, from the Secret the operator created."""
+    sec = kube.get("Secret", namespace, secret_name(isvc))
+    if not sec:
+        raise RuntimeError(f"Secret {secret_name(isvc)} is missing; the operator recreates it")
+    return base64.b64decode(sec["data"][TOKEN_KEY]).decode()
+
+
+@dataclass
+class CheckpointCall:
+    """One POST /v1/checkpoint in flight (or finished) in a background thread."""
+
+    pod: str
+    path: str
+    finished: threading.Event = field(default_factory=threading.Event)
+    manifest: Manifest | None = None
+    error: str | None = None
+
+    def done(self) -> bool:
+        return self.finished.is_set()
+
+
+class Agents:
+    """The pods' agents, and the checkpoint calls this operator process has running."""
+
+    def __init__(self, client_for: AgentFactory | None = None) -> None:
+        self._client_for = client_for or _client
+        self._calls: dict[str, CheckpointCall] = {}
+        self._lock = threading.Lock()
+
+    def status(self, pod: Body, token: str) -> StatusReply:
+        """GET /v1/status of pod's agent; raises if it does not answer."""
+        return self._client_for(agent_url(pod), token).status()
+
+    def ask_status(self, pod: Body, token: str) -> tuple[StatusReply | None, str | None]:
+        """(reply, None), or (None, why not): for status reports, which never raise."""
+        try:
+            return self.status(pod, token), None
+        except Exception as e:
+            return None, f"agent status unavailable: {e}"
+
+    def start_checkpoint(
+        self,
+        key: str,
+        pod: Body,
+        token: str,
+        path: str,
+        timeout: float,
+        then: Callable[[], None],
+    ) -> CheckpointCall:
+        """POST /v1/checkpoint in a background thread; then() runs when it has answered."""
+        call = CheckpointCall(pod["metadata"]["name"], path)
+        agent = self._client_for(agent_url(pod), token)
+        with self._lock:
+            self._calls[key] = call
+        threading.Thread(
+            target=_run_checkpoint,
+            args=(agent, call, timeout, then),
+            name=f"checkpoint-{call.pod}",
+            daemon=True,
+        ).start()
+        return call
+
+    def checkpoint_call(self, key: str) -> CheckpointCall | None:
+        """The call started for key in this process; None after an operator restart."""
+        with self._lock:
+            return self._calls.get(key)
+
+    def forget(self, key: str) -> None:
+        with self._lock:
+            self._calls.pop(key, None)
+
+
+def _run_checkpoint(
+    agent: Agent, call: CheckpointCall, timeout: float, then: Callable[[], None]
+) -> None:
+    try:
+        call.manifest = agent.checkpoint(call.path, timeout=timeout)
+    except Exception as e:  # the agent's own message: the Checkpoint's status shows it
+        call.error = str(e) or repr(e)
+    finally:
+        try:
+            then()
+        except Exception:
+            log.exception("after the checkpoint of pod %s", call.pod)
+        call.finished.set()
+
+
+def service_completion(
+    kube: Kube, namespace: str, service: str, model: str, timeout: float = 5.0
+) -> bool:
+    """One greedy token through the apiserver's service proxy; True once it is generated."""
+    body = {"model": model, "prompt": "Hello", "max_tokens": 1, "temperature": 0}
+    url_path = service_proxy_path(namespace, service, SERVE_PORT, "v1/completions")
+    try:
+        reply = kube.request("POST", url_path, body, timeout=timeout)
+    except (KubeError, urllib3.exceptions.HTTPError, OSError, ValueError):
+        return False  # no ready endpoint yet (503), the pod still restoring, a timeout
+    return bool(isinstance(reply, dict) and reply.get("choices"))

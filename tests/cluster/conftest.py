@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.cluster.kube import ENV, SCRIPTS, create_namespace, kubectl, node_room
+from tests.cluster.cluster_tools import ENV, SCRIPTS, create_namespace, kubectl, node_room
 
 
 @pytest.fixture(scope="session")

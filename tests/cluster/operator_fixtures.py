@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.cluster.kube import (
+from tests.cluster.cluster_tools import (
     ENV,
     REPO,
     create_namespace,

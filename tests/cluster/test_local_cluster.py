@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.kube import helm, kubectl, kubectl_json, wait_until
+from tests.cluster.cluster_tools import helm, kubectl, kubectl_json, wait_until
 
 pytestmark = pytest.mark.cluster
 CHART = Path(__file__).parent / "charts" / "hello"

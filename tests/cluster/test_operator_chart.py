@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.cluster.kube import REPO, helm, kubectl, kubectl_json, wait_until
+from tests.cluster.cluster_tools import REPO, helm, kubectl, kubectl_json, wait_until
 from tests.cluster.operator_fixtures import (
     OPERATOR_IMAGE,
     apply,

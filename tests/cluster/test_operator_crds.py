@@ -15,7 +15,7 @@ from rekindle_operator.shm_sizing import effective_shm_bytes, shm_need
 from rekindle_operator.spec import parse_spec
 from rekindle_operator.spec_fingerprint import spec_fingerprint
 
-from tests.cluster.kube import REPO, helm, kubectl, kubectl_json
+from tests.cluster.cluster_tools import REPO, helm, kubectl, kubectl_json
 from tests.cluster.operator_fixtures import apply, install_crds, isvc_manifest
 
 pytestmark = pytest.mark.cluster

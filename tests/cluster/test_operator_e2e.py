@@ -23,7 +23,7 @@ from rekindle_operator.quantity import to_bytes
 from rekindle_operator.shm_sizing import shm_need
 from rekindle_operator.spec import parse_spec
 
-from tests.cluster.kube import kubectl, kubectl_json, wait_until
+from tests.cluster.cluster_tools import kubectl, kubectl_json, wait_until
 from tests.cluster.operator_fixtures import (
     OperatorProcess,
     apply,

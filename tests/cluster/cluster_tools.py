@@ -1,4 +1,4 @@
-"""Helpers to drive the real local cluster (scripts/local-cluster) from tests."""
+"""Helpers that drive the real local cluster (scripts/local-cluster): kubectl, helm, waits."""
 
 from __future__ import annotations
 
@@ -86,16 +86,26 @@ def create_namespace(prefix: str) -> str:
 UNSCHEDULABLE_GRACE_S = 20.0
 
 
+QUANTITY_SUFFIXES = {
+    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40,
+    "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
+}  # fmt: skip
+
+
+def quantity(q: str) -> float:
+    """A Kubernetes quantity ("100m", "1k", "6Gi") as a number."""
+    for suffix in sorted(QUANTITY_SUFFIXES, key=len, reverse=True):
+        if q.endswith(suffix):
+            return float(q[: -len(suffix)]) * QUANTITY_SUFFIXES[suffix]
+    return float(q)
+
+
 def _cpu(q: str) -> float:
-    return float(q[:-1]) / 1000 if q.endswith("m") else float(q)
+    return quantity(q)
 
 
 def _bytes(q: str) -> int:
-    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9}
-    for suffix, factor in units.items():
-        if q.endswith(suffix):
-            return int(float(q[: -len(suffix)]) * factor)
-    return int(float(q))
+    return int(quantity(q))
 
 
 def pod_requests(pod: dict[str, Any]) -> tuple[float, int]:

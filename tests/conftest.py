@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 from pathlib import Path
 
@@ -38,10 +37,3 @@ def criu_prefix() -> Path:
 def require_root() -> None:
     if os.geteuid() != 0:
         pytest.fail("this suite needs root (CRIU, namespaces, mounts); run it as root")
-
-
-def free_port() -> int:
-    """A free TCP port on loopback (tests only ever bind to loopback)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

@@ -87,6 +87,12 @@ def defaults() -> dict[str, Any]:
     return {f.name: getattr(AgentArgs(), f.name) for f in fields(AgentArgs)}
 
 
+def _number(v: float) -> str:
+    """Short where exact ("30", "0.5"), else every digit: the agent parses back v."""
+    short = f"{v:g}"
+    return short if float(short) == v else repr(v)
+
+
 def agent_argv(args: AgentArgs, command: tuple[str, ...] = AGENT_COMMAND) -> list[str]:
     """The agent's argv for args: the command, every non-default flag, `--`, vLLM's flags."""
     base = defaults()
@@ -98,7 +104,7 @@ def agent_argv(args: AgentArgs, command: tuple[str, ...] = AGENT_COMMAND) -> lis
         if isinstance(value, bool):
             out.append(flag(f.name) if value else "--no-" + f.name.replace("_", "-"))
         elif value is not None:
-            out += [flag(f.name), f"{value:g}" if isinstance(value, float) else str(value)]
+            out += [flag(f.name), _number(value) if isinstance(value, float) else str(value)]
     if args.vllm_args:
         out += ["--", *args.vllm_args]
     return out

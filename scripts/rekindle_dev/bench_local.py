@@ -1,4 +1,4 @@
-"""`rekindle bench local`: naive boot vs CRIU restore, on this machine, launch to first token.
+"""`rekindle-dev bench local`: naive boot vs CRIU restore, on this machine, launch to first token.
 
 Every variant runs the real agent as PID 1 of a fresh PID+mount namespace with
 an empty /dev/shm (rekindle_dev.harness), like a new pod:
@@ -29,16 +29,19 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from rekindle_contract.api import PATH_READYZ
+
 from rekindle_dev.harness import AgentFactory, AgentProc
 
-VARIANTS: dict[str, tuple[str, ...]] = {
-    "naive": ("--restore-policy", "never"),
-    "stock": ("--mmap-restore", "off", "--no-prefetch"),
-    "stock+prefetch": ("--mmap-restore", "off", "--prefetch"),
-    "patched": ("--mmap-restore", "auto", "--prefetch"),
+# The agent's settings per variant (AgentArgs fields).
+VARIANTS: dict[str, dict[str, Any]] = {
+    "naive": {"restore_policy": "never"},
+    "stock": {"mmap_restore": "off", "prefetch": False},
+    "stock+prefetch": {"mmap_restore": "off", "prefetch": True},
+    "patched": {"mmap_restore": "auto", "prefetch": True},
     # Not run by default: the same without checking file contents (sizes only), to
     # show what the crc32 check costs.
-    "patched-size": ("--mmap-restore", "auto", "--prefetch", "--verify-checksums", "size"),
+    "patched-size": {"mmap_restore": "auto", "prefetch": True, "verify_checksums": "size"},
 }
 RESTORE_PHASES = (
     "validate",
@@ -68,7 +71,7 @@ def wait_ready_tight(agent: AgentProc, timeout: float) -> float:
         if agent.proc.poll() is not None:
             raise RuntimeError(f"agent exited:\n{agent.tail()}")
         try:
-            with urllib.request.urlopen(agent.admin_url + "/readyz", timeout=1) as r:
+            with urllib.request.urlopen(agent.admin_url + PATH_READYZ, timeout=1) as r:
                 if r.status == 200:
                     return time.monotonic() - agent.launched
         except OSError:
@@ -80,10 +83,10 @@ def wait_ready_tight(agent: AgentProc, timeout: float) -> float:
 def one_run(
     factory: AgentFactory, variant: str, ckpt: Path, criu: dict[str, Path], name: str
 ) -> dict[str, Any]:
-    extra = list(VARIANTS[variant])
+    settings = dict(VARIANTS[variant])
     if variant != "naive":
-        extra += ["--checkpoint", str(ckpt), "--criu", str(criu[variant])]
-    agent = factory.start(*extra, name=name)
+        settings.update(checkpoint=str(ckpt), criu=str(criu[variant]))
+    agent = factory.start(name=name, **settings)
     try:
         ready = wait_ready_tight(agent, 900)
         agent.complete("The river", max_tokens=1)
@@ -193,7 +196,7 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     handles = [plt.Rectangle((0, 0), 1, 1, color=color[p]) for p in phases]
     ax2.legend(handles, phases, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.suptitle(
-        "rekindle bench local (vLLM CPU, tiny model): bars = median phases; "
+        "rekindle-dev bench local (vLLM CPU, tiny model): bars = median phases; "
         "dot = median time to first token, whiskers = min-max"
     )
     fig.tight_layout()
@@ -207,14 +210,25 @@ def render(out: Path, summary: dict[str, Any]) -> str:
     return text
 
 
-def run_bench(args: argparse.Namespace) -> int:
+def command_line(args: argparse.Namespace) -> str:
+    """The command that reproduces this run (from the parsed options, whatever the entry)."""
+    parts = ["rekindle-dev bench local", f"--criu-prefix {args.criu_prefix}"]
+    parts += [f"--trials {args.trials}", f"--variants {args.variants}", f"--work {args.work}"]
+    if args.model:
+        parts.append(f"--model {args.model}")
+    return " ".join([*parts, f"--out {args.out}"])
+
+
+def run(args: argparse.Namespace) -> int:
     if args.replot:
         out = Path(args.out)
         doc = json.loads((out / "results.json").read_text())
         print(render(out, summarize(doc["runs"])))
         return 0
     if os.geteuid() != 0:
-        print("rekindle bench local: needs root (CRIU, namespaces, drop_caches)", file=sys.stderr)
+        print(
+            "rekindle-dev bench local: needs root (CRIU, namespaces, drop_caches)", file=sys.stderr
+        )
         return 2
     if not args.criu_prefix:
         print("--criu-prefix is required: pass scripts/build-criu's output", file=sys.stderr)
@@ -260,7 +274,7 @@ def run_bench(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     doc = {
-        "command": " ".join(["rekindle", "bench", "local", *sys.argv[3:]]),
+        "command": command_line(args),
         "host": {
             "node": platform.node(),
             "kernel": platform.release(),
@@ -269,7 +283,7 @@ def run_bench(args: argparse.Namespace) -> int:
         },
         "checkpoint_bytes": size,
         "checkpoint_timings": man["timings"],
-        "variants": {k: list(v) for k, v in VARIANTS.items()},
+        "variants": VARIANTS,
         "summary": summary,
         "runs": runs,
     }
@@ -278,11 +292,7 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_bench_local(sub: argparse._SubParsersAction) -> None:
-    from rekindle_dev.cli import bench_subcommands
-
-    bsub = bench_subcommands(sub)
-    p = bsub.add_parser("local", help="naive boot vs CRIU restore on this machine")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--criu-prefix", default="", help="scripts/build-criu's output directory")
     p.add_argument("--model", help="model directory (default: generate the tiny model)")
     p.add_argument("--trials", type=int, default=3)
@@ -290,4 +300,3 @@ def add_bench_local(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--work", default="/var/tmp/rekindle-bench", help="scratch (on disk)")
     p.add_argument("--out", default="docs/bench/local")
     p.add_argument("--replot", action="store_true", help="only redraw from OUT/results.json")
-    p.set_defaults(func=run_bench)

@@ -1,4 +1,4 @@
-"""`rekindle bench weights`: reload throughput against the limits and loaders around it.
+"""`rekindle-dev bench weights`: reload throughput against the limits and loaders around it.
 
 For synthetic weight sets (default 1, 4 and 8 GiB of bf16 tensors shaped like
 a Llama's layers) and, on CPU, the tiny model served by a real vLLM, with a
@@ -42,6 +42,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rekindle_contract import rpc
 from rekindle_weights import format as fmt
 from rekindle_weights.dump import dump_tensors
 from rekindle_weights.reload import ReloadOptions, release_staging_buffers, reload_tensors
@@ -350,7 +351,7 @@ def bench_tiny_vllm(work: Path, args: argparse.Namespace) -> list[dict[str, Any]
     rows: list[dict[str, Any]] = []
     log("tiny: booting vLLM (CPU) with the Rekindle extension")
     with running_vllm(model, work / "tiny-vllm.log") as s:
-        s.rpc("rekindle_dump_weights", str(dump))
+        s.rpc(rpc.DUMP_WEIGHTS, str(dump))
         nbytes = fmt.read_index(dump, 0).data_bytes
         files = {"vllm_reload_weights": model, "rekindle_rpc": dump}
         caches = ["warm"] + ([] if args.no_cold else ["cold"])
@@ -364,10 +365,10 @@ def bench_tiny_vllm(work: Path, args: argparse.Namespace) -> list[dict[str, Any]
                             f.read_bytes()
                     t0 = time.perf_counter()
                     if method == "vllm_reload_weights":
-                        (r,) = s.rpc("rekindle_time_vllm_reload")
+                        (r,) = s.rpc(rpc.TIME_VLLM_RELOAD)
                         inner = r["seconds"]
                     else:
-                        (r,) = s.rpc("rekindle_reload_weights", str(dump), verify="false")
+                        (r,) = s.rpc(rpc.RELOAD_WEIGHTS, str(dump), verify="false")
                         inner = r["seconds"]
                     wall = time.perf_counter() - t0
                     rows.append(
@@ -474,7 +475,7 @@ def plot(summary: dict[str, Any], path: Path, title: str) -> None:
 
 def command_line(args: argparse.Namespace) -> str:
     """The command that reproduces this run (from the parsed options, whatever the entry)."""
-    parts = ["rekindle bench weights", f"--sizes {args.sizes}", f"--trials {args.trials}"]
+    parts = ["rekindle-dev bench weights", f"--sizes {args.sizes}", f"--trials {args.trials}"]
     parts.append(f"--device {args.device}")
     for opt in ("threads", "chunk_mib", "buffers", "model"):
         if getattr(args, opt) is not None:
@@ -550,19 +551,14 @@ def run(args: argparse.Namespace) -> int:
     plot(
         summary,
         out / f"results{suffix}.png",
-        f"rekindle bench weights ({args.device}, "
+        f"rekindle-dev bench weights ({args.device}, "
         f"{host.get('gpu', platform.node())}, {os.cpu_count()} CPUs)",
     )
     print(text)
     return 0
 
 
-def add_bench_weights(sub: argparse._SubParsersAction) -> None:
-    """Add `weights` under `rekindle bench`."""
-    from rekindle_dev.cli import bench_subcommands
-
-    bsub = bench_subcommands(sub)
-    p = bsub.add_parser("weights", help="weight reload throughput vs page cache and loaders")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default="1,4,8", help="synthetic weight sets, GiB, comma-separated")
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (cuda needs only torch)")
@@ -575,16 +571,3 @@ def add_bench_weights(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="model dir for the vLLM part (default: tiny)")
     p.add_argument("--work", default="/var/tmp/rekindle-bench-weights", help="scratch, on disk")
     p.add_argument("--out", default="docs/bench/weights")
-    p.set_defaults(func=run)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Standalone entry (`python -m rekindle_dev.bench_weights weights ...`): needs only torch."""
-    parser = argparse.ArgumentParser(prog="rekindle")
-    add_bench_weights(parser.add_subparsers(dest="cmd", required=True))
-    args = parser.parse_args(["bench", *(argv if argv is not None else sys.argv[1:])])
-    return int(args.func(args))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

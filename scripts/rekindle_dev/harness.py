@@ -1,60 +1,107 @@
-"""Run agents as pods would, on one machine: for the tests and `rekindle bench local`.
+"""Run agents as pods would, on one machine: for the tests and `rekindle-dev bench local`.
 
 Each agent runs as PID 1 of a fresh PID and mount namespace
 (`unshare --pid --fork --mount-proc --mount`) with its own tmpfs on /dev/shm:
 a restore then meets an empty /dev/shm and free PIDs exactly as in a new pod,
 and the host's /dev/shm is never touched. Killing the namespace's PID 1 kills
 everything in it.
+
+Ports cannot collide: the agent binds its serve and admin ports to port 0 and
+writes what it got to its --ports-file, which AgentProc reads; vLLM's port
+(which must be known in advance) comes from rekindle_dev.ports, outside the
+range the kernel hands out. The agent's argv is built by the contract's
+agent_argv(), as the operator builds a pod's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
+from rekindle_contract.agent_args import AgentArgs, agent_argv
 from rekindle_contract.api import AgentClient, StatusReply
+from rekindle_contract.pod import CHECKPOINT_ENV, CRIU_ENV, TOKEN_ENV
 
-RUNTIME_DIR = Path(__file__).resolve().parents[1]
+from rekindle_dev.ports import free_port
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+# The installed agent, run by this interpreter (the one that has the project installed).
+AGENT_COMMAND = (sys.executable, "-m", "rekindle_agent.cli", "agent")
+# A fresh PID + mount namespace with an empty, private /dev/shm; then exec the agent.
+FRESH_NS = (
+    "unshare",
+    "--pid",
+    "--fork",
+    "--mount-proc",
+    "--mount",
+    "--",
+    "sh",
+    "-c",
+    'mount -t tmpfs -o size=6g,mode=1777 shm /dev/shm && exec "$@"',
+    "sh",
+)
 
 
 class AgentProc:
     """One agent process and how to talk to it."""
 
     def __init__(
-        self,
-        argv: list[str],
-        log: Path,
-        serve_port: int,
-        admin_port: int,
-        token: str,
-        env: dict[str, str],
+        self, argv: list[str], log: Path, ports_file: Path, token: str, env: dict[str, str]
     ) -> None:
         self.log = log
-        self.serve_url = f"http://127.0.0.1:{serve_port}"
-        self.admin_url = f"http://127.0.0.1:{admin_port}"
-        self.client = AgentClient(self.admin_url, token, timeout=30)
+        self.ports_file = ports_file
         self.token = token
+        self._ports: dict[str, int] | None = None
+        self._client: AgentClient | None = None
         self.launched = time.monotonic()
         with log.open("ab") as out:
             self.proc = subprocess.Popen(
                 argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
             )
+
+    def ports(self, timeout: float = 120) -> dict[str, int]:
+        """{"serve": N, "admin": M} as the agent bound them (waits for its --ports-file)."""
+        deadline = time.monotonic() + timeout
+        while self._ports is None:
+            try:
+                self._ports = {
+                    k: int(v) for k, v in json.loads(self.ports_file.read_text()).items()
+                }
+            except (FileNotFoundError, ValueError):
+                if self.proc.poll() is not None:
+                    raise RuntimeError(
+                        f"agent exited {self.proc.returncode} before listening:\n{self.tail()}"
+                    ) from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"agent not listening after {timeout}s:\n{self.tail()}"
+                    ) from None
+                time.sleep(0.01)
+        return self._ports
+
+    @property
+    def serve_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports()['serve']}"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports()['admin']}"
+
+    @property
+    def client(self) -> AgentClient:
+        if self._client is None:
+            self._client = AgentClient(self.admin_url, self.token, timeout=30)
+        return self._client
 
     def status(self) -> StatusReply:
         return self.client.status()
@@ -136,62 +183,36 @@ class AgentFactory:
         self.checkpoints = base / "checkpoints"
         self.checkpoints.mkdir(mode=0o700, exist_ok=True)
         self.started: list[AgentProc] = []
-        self.env = dict(os.environ)
-        self.env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(RUNTIME_DIR), self.env.get("PYTHONPATH", "")) if p
+        # Settings come from the flags only: nothing of the caller's pod-like env leaks in.
+        self.env = {
+            k: v for k, v in os.environ.items() if k not in (CHECKPOINT_ENV, CRIU_ENV, TOKEN_ENV)
+        }
+
+    def args(self, **overrides: Any) -> AgentArgs:
+        """The agent's settings: this factory's, with overrides (AgentArgs field names)."""
+        base = AgentArgs(
+            model=str(self.model),
+            served_name=self.served_name,
+            max_model_len=512,
+            bind_host="127.0.0.1",
+            serve_port=0,
+            admin_port=0,
+            vllm_port=self.vllm_port,
+            token_file=str(self.token_file),
+            run_dir=str(self.run_dir),
+            checkpoint_root=str(self.checkpoints),
+            criu=str(self.criu),
         )
+        return dataclasses.replace(base, **overrides)
 
-    def argv(self, serve: int, admin: int, extra: tuple[str, ...]) -> list[str]:
-        return [
-            sys.executable,
-            "-m",
-            "rekindle_dev.cli",
-            "agent",
-            "--model",
-            str(self.model),
-            "--served-name",
-            self.served_name,
-            "--max-model-len",
-            "512",
-            "--bind-host",
-            "127.0.0.1",
-            "--serve-port",
-            str(serve),
-            "--admin-port",
-            str(admin),
-            "--vllm-port",
-            str(self.vllm_port),
-            "--token-file",
-            str(self.token_file),
-            "--run-dir",
-            str(self.run_dir),
-            "--checkpoint-root",
-            str(self.checkpoints),
-            "--criu",
-            str(self.criu),
-            *extra,
-        ]
-
-    def start(self, *extra: str, name: str = "agent", fresh_ns: bool = True) -> AgentProc:
-        serve, admin = free_port(), free_port()
-        agent = self.argv(serve, admin, extra)
-        argv = agent
+    def start(self, name: str = "agent", fresh_ns: bool = True, **overrides: Any) -> AgentProc:
+        """Launch an agent (settings: args(**overrides)); it is not Ready yet."""
+        stem = f"{name}-{len(self.started)}"
+        ports_file = self.base / f"{stem}.ports.json"
+        argv = agent_argv(self.args(ports_file=str(ports_file), **overrides), AGENT_COMMAND)
         if fresh_ns:
-            argv = [
-                "unshare",
-                "--pid",
-                "--fork",
-                "--mount-proc",
-                "--mount",
-                "--",
-                "sh",
-                "-c",
-                'mount -t tmpfs -o size=6g,mode=1777 shm /dev/shm && exec "$@"',
-                "sh",
-                *agent,
-            ]
-        log = self.base / f"{name}-{len(self.started)}.log"
-        proc = AgentProc(argv, log, serve, admin, self.token, self.env)
+            argv = [*FRESH_NS, *argv]
+        proc = AgentProc(argv, self.base / f"{stem}.log", ports_file, self.token, self.env)
         self.started.append(proc)
         return proc
 

@@ -1,16 +1,21 @@
 """A real vLLM server with Rekindle's extension, for the weights tests and benchmark.
 
-Started in its own session so the whole tree (API server, engine core,
-workers) is killed as one process group.
+Started with the agent's own command line and environment (the contract's
+vllm_argv, the agent's vllm_env), without the agent, in its own session so the
+whole tree (API server, engine core, workers) is killed as one process group.
+vLLM's workers import the extension by name: they run this interpreter, which
+has the project installed, so nothing needs PYTHONPATH.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import time
 import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -18,22 +23,47 @@ from pathlib import Path
 from typing import Any
 
 from rekindle_agent.vllm_control import wait_health
-from rekindle_agent.vllm_launch import VllmConfig, base_url, http_json, vllm_command, vllm_env
+from rekindle_agent.vllm_launch import vllm_env
+from rekindle_contract.vllm_argv import VllmOptions, vllm_argv
+
+from rekindle_dev.ports import free_port
 
 
 class RpcError(RuntimeError):
     """A collective_rpc call failed; the text is what vLLM sent back."""
 
 
+def http_json(method: str, url: str, body: object | None = None, timeout: float = 30.0) -> object:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method)
+    if data is not None:
+        req.add_header("Content-Type", "application/json")
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        raw = resp.read()
+    return json.loads(raw) if raw else None
+
+
+def complete(url: str, model: str, prompt: str, max_tokens: int = 16, timeout: float = 60) -> str:
+    """Greedy completion: deterministic for a fixed model, the before/after oracle."""
+    out = http_json(
+        "POST",
+        f"{url}/v1/completions",
+        {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0},
+        timeout=timeout,
+    )
+    assert isinstance(out, dict)
+    return str(out["choices"][0]["text"])
+
+
 @dataclass
 class VllmServer:
-    cfg: VllmConfig
+    opts: VllmOptions
     proc: subprocess.Popen[bytes]
     log: Path
 
     @property
     def url(self) -> str:
-        return base_url(self.cfg)
+        return f"http://{self.opts.host}:{self.opts.port}"
 
     def rpc(self, method: str, *args: str, timeout: float = 600, **kwargs: str) -> list[Any]:
         """POST /collective_rpc; the per-worker results."""
@@ -49,33 +79,23 @@ class VllmServer:
         return http_json("POST", f"{self.url}{path}", None, timeout=timeout)
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def running_vllm(
     model: Path, log: Path, port: int | None = None, timeout: float = 300
 ) -> Iterator[VllmServer]:
     """Boot vLLM (CPU) on loopback, wait for /health, and always kill its process group."""
-    cfg = VllmConfig(model=str(model), port=port or free_port())
-    env = vllm_env(cfg)
-    # vLLM's workers import the extension by name: the agent package must be importable.
-    agent_root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (agent_root, env.get("PYTHONPATH")) if p)
+    opts = VllmOptions(
+        model=str(model), served_name="tiny", port=port or free_port(), max_model_len=512
+    )
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            vllm_command(cfg),
-            env=env,
+            vllm_argv(opts),
+            env=vllm_env(opts.device),
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    server = VllmServer(cfg, proc, log)
+    server = VllmServer(opts, proc, log)
     try:
         try:
             wait_health(server.url, timeout, alive=lambda: proc.poll() is None)

@@ -3,7 +3,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rekindle_agent import bench_local
+from rekindle_dev import bench_local
 
 
 def _run(variant: str, cache: str, ttft: float, **phases: float) -> dict[str, Any]:

@@ -1,12 +1,17 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
-from rekindle_agent import api, config, state
-from rekindle_agent.agent import normalize_checkpoint, token_ok
+from rekindle_agent import cli, config, state
+from rekindle_agent.auth import token_ok
+from rekindle_agent.config import normalize_checkpoint
+from rekindle_contract import api
+from rekindle_contract.agent_args import AGENT_COMMAND, AgentArgs, agent_argv
+from rekindle_contract.pod import CHECKPOINT_ENV, CRIU_ENV
 
 
 def _parse(argv: list[str], env: dict[str, str] | None = None) -> config.AgentConfig:
@@ -15,14 +20,22 @@ def _parse(argv: list[str], env: dict[str, str] | None = None) -> config.AgentCo
     return config.from_args(p.parse_args(argv), env=env or {})
 
 
+def _parse_command(argv: list[str], env: dict[str, str] | None = None) -> config.AgentConfig:
+    """A whole `rekindle agent ...` command line, through the agent's own parser."""
+    assert tuple(argv[:2]) == AGENT_COMMAND
+    ns = cli.build_parser().parse_args(argv[1:])
+    assert ns.func is cli.run_agent
+    return config.from_args(ns, env=env or {})
+
+
 def test_precedence_flag_over_file_over_env(tmp_path: Path) -> None:
     f = tmp_path / "agent.json"
     f.write_text(json.dumps({"model": "/m", "criu": "/file/criu", "drain-timeout": 5}))
-    cfg = _parse(["--config", str(f)], env={api.CRIU_ENV: "/env/criu"})
+    cfg = _parse(["--config", str(f)], env={CRIU_ENV: "/env/criu"})
     assert (cfg.criu, cfg.drain_timeout, cfg.model) == ("/file/criu", 5, "/m")
-    cfg = _parse(["--config", str(f), "--criu", "/flag/criu"], env={api.CRIU_ENV: "/env/criu"})
+    cfg = _parse(["--config", str(f), "--criu", "/flag/criu"], env={CRIU_ENV: "/env/criu"})
     assert cfg.criu == "/flag/criu"
-    assert _parse(["--model", "/m"], env={api.CRIU_ENV: "/env/criu"}).criu == "/env/criu"
+    assert _parse(["--model", "/m"], env={CRIU_ENV: "/env/criu"}).criu == "/env/criu"
 
 
 def test_defaults_and_passthrough() -> None:
@@ -31,6 +44,79 @@ def test_defaults_and_passthrough() -> None:
     assert cfg.prefetch is False and cfg.seccomp_io_uring is True
     assert cfg.vllm_args == ["--dtype", "float32"]
     assert cfg.restore_policy == "if-present"
+    assert dataclasses.asdict(_parse(["--model", "/m"])) == dataclasses.asdict(AgentArgs("/m"))
+
+
+def test_every_setting_round_trips_through_agent_argv() -> None:
+    """What the operator and the harness write (agent_argv) is what the agent reads back."""
+    args = AgentArgs(
+        model="/models/m",
+        served_name="llama",
+        device="cuda",
+        max_model_len=4096,
+        tensor_parallel_size=2,
+        mm_shm_cache_gb=1.5,
+        mm_shm_max_object_mb=64,
+        prefix_caching=False,
+        kv_offload_gb=4.0,
+        worker_extension="none",
+        bind_host="127.0.0.1",
+        serve_port=0,
+        admin_port=0,
+        vllm_port=19000,
+        ports_file="/tmp/ports.json",
+        token_file="/secrets/token",
+        run_dir="/run/rekindle",
+        checkpoint="/ckpt/c1",
+        checkpoint_root="/ckpt",
+        restore_policy="require",
+        criu="/opt/criu/bin/criu",
+        criu_plugins="/opt/criu/plugins",
+        mmap_restore="on",
+        prefetch=False,
+        prefetch_threads=3,
+        verify_checksums="sha256",
+        drain_timeout=12.5,
+        boot_timeout=60.0,
+        restore_timeout=30.0,
+        seccomp_io_uring=False,
+        ns_last_pid=20000,
+        clear_shm=False,
+        vllm_args=["--dtype", "float32", "--seed", "7"],
+    )
+    defaults = AgentArgs()
+    same_as_default = [
+        f.name
+        for f in dataclasses.fields(AgentArgs)
+        if f.name != "model" and getattr(args, f.name) == getattr(defaults, f.name)
+    ]
+    assert not same_as_default, f"give these a non-default value: {same_as_default}"
+    cfg = _parse_command(agent_argv(args))
+    assert dataclasses.asdict(cfg) == dataclasses.asdict(args)
+
+
+def test_operator_like_argv_with_unexpanded_checkpoint_var() -> None:
+    """A pod's argv: Kubernetes expands $(REKINDLE_CHECKPOINT) from the env, or leaves it."""
+    args = AgentArgs(
+        model="/models/m",
+        served_name="m",
+        checkpoint=f"$({CHECKPOINT_ENV})",
+        checkpoint_root="/var/lib/rekindle/checkpoints",
+        prefetch=False,
+        vllm_args=["--max-num-seqs", "8"],
+    )
+    argv = agent_argv(args)
+    assert argv[argv.index("--checkpoint") + 1] == "$(REKINDLE_CHECKPOINT)"
+    # The ConfigMap key is missing: the variable is unset and stays unexpanded.
+    cfg = _parse_command(argv)
+    assert cfg.checkpoint is None and cfg.prefetch is False
+    assert cfg.vllm_args == ["--max-num-seqs", "8"]
+    # Set but empty: no checkpoint either. Set: that directory.
+    assert (
+        _parse_command([a.replace("$(REKINDLE_CHECKPOINT)", "") for a in argv]).checkpoint is None
+    )
+    expanded = [a.replace("$(REKINDLE_CHECKPOINT)", "/ckpt/c2") for a in argv]
+    assert _parse_command(expanded).checkpoint == "/ckpt/c2"
 
 
 @pytest.mark.parametrize(
@@ -38,6 +124,7 @@ def test_defaults_and_passthrough() -> None:
     [
         ([], "--model is required"),
         (["--model", "/m", "--serve-port", "8081"], "must all differ"),
+        (["--model", "/m", "--vllm-port", "0"], "--vllm-port 0"),
         (["--model", "/m", "--run-dir", "rel"], "absolute"),
         (["--model", "/m", "--drain-timeout", "0"], "drain-timeout"),
     ],
@@ -47,15 +134,26 @@ def test_bad_settings_say_what_to_change(argv: list[str], needle: str) -> None:
         _parse(argv)
 
 
-def test_unknown_file_key(tmp_path: Path) -> None:
+def test_port_zero_for_the_agents_own_ports() -> None:
+    cfg = _parse(["--model", "/m", "--serve-port", "0", "--admin-port", "0"])
+    assert (cfg.serve_port, cfg.admin_port) == (0, 0)
+
+
+def test_file_values_are_checked_like_flags(tmp_path: Path) -> None:
     f = tmp_path / "a.json"
     f.write_text(json.dumps({"model": "/m", "prot": 1}))
     with pytest.raises(config.ConfigError, match="unknown setting 'prot'"):
         _parse(["--config", str(f)])
+    f.write_text(json.dumps({"model": "/m", "mmap-restore": "maybe"}))
+    with pytest.raises(config.ConfigError, match="--mmap-restore 'maybe'"):
+        _parse(["--config", str(f)])
+    f.write_text(json.dumps({"model": "/m", "prefetch": "false", "prefetch_threads": "3"}))
+    cfg = _parse(["--config", str(f)])
+    assert cfg.prefetch is False and cfg.prefetch_threads == 3
 
 
 def test_checkpoint_env_and_unexpanded_k8s_var() -> None:
-    assert _parse(["--model", "/m"], env={"REKINDLE_CHECKPOINT": "/c/1"}).checkpoint == "/c/1"
+    assert _parse(["--model", "/m"], env={CHECKPOINT_ENV: "/c/1"}).checkpoint == "/c/1"
     assert normalize_checkpoint("$(REKINDLE_CHECKPOINT)") is None
     assert normalize_checkpoint("") is None
     assert normalize_checkpoint("/c/1") == "/c/1"
@@ -69,13 +167,17 @@ def test_token_check() -> None:
     assert not token_ok(tok, None)
 
 
-def test_state_transitions() -> None:
+def test_state_transitions_and_ready_at() -> None:
     st = state.Status()
+    assert st.to_json()["ready_at"] is None
     for s in ("Ready", "Draining", "Checkpointing", "Restoring", "Ready"):
-        st.set_state(s)
+        st.set_state(s)  # type: ignore[arg-type]
     with pytest.raises(state.TransitionError):
         st.set_state("Checkpointing")  # must drain first
     st.record_fallback("checksum_mismatch", "pages-1.img")
-    doc = st.to_json()
+    doc = st.to_json(vllm_pid=42, inflight=3)
     assert doc["ready"] and doc["last_fallback"]["reason"] == "checksum_mismatch"
+    assert doc["ready_at"] is not None and doc["ready_at"] >= doc["started_at"]
+    assert (doc["vllm_pid"], doc["inflight"]) == (42, 3)
+    assert set(doc) == set(api.StatusDoc.__annotations__)
     assert set(state.TRANSITIONS) == set(api.STATES)

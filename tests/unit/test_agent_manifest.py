@@ -7,23 +7,24 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rekindle_agent import api, manifest, prefetch
+from rekindle_agent import manifest_io, prefetch
+from rekindle_contract.manifest import MANIFEST_FORMAT, MANIFEST_NAME, FileEntry, Manifest
 
 
-def _ckpt(tmp_path: Path) -> tuple[Path, list[api.FileEntry]]:
+def _ckpt(tmp_path: Path) -> tuple[Path, list[FileEntry]]:
     root = tmp_path / "ckpt"
     (root / "images").mkdir(parents=True)
     (root / "images" / "pages-1.img").write_bytes(bytes(range(256)) * 40000)
     (root / "images" / "core-1.img").write_bytes(b"core")
     (root / "shm").mkdir()
     (root / "shm" / "psm_1").write_bytes(b"")
-    rel = manifest.list_files(root)
-    return root, manifest.checksum_files(root, rel, threads=3)
+    rel = manifest_io.list_files(root)
+    return root, manifest_io.checksum_files(root, rel, threads=3)
 
 
-def _doc(files: list[api.FileEntry]) -> dict[str, Any]:
+def _doc(files: list[FileEntry]) -> dict[str, Any]:
     return {
-        "format": api.MANIFEST_FORMAT,
+        "format": MANIFEST_FORMAT,
         "fingerprint": {},
         "criu": {},
         "vllm": {"root_pid": 123},
@@ -43,14 +44,14 @@ def test_checksums_match_hashlib(tmp_path: Path) -> None:
 
 def test_write_read_and_verified_marker(tmp_path: Path) -> None:
     root, entries = _ckpt(tmp_path)
-    man: api.Manifest = _doc(entries)  # type: ignore[assignment]
-    manifest.write(root, man)
-    assert manifest.read(root)["files"] == entries
-    assert manifest.list_files(root) == [e["path"] for e in entries]  # manifest excluded
-    assert not manifest.is_verified(root)
-    manifest.mark_verified(root, man, {"restore_seconds": 1.0})
-    assert manifest.is_verified(root)
-    assert manifest.read(root)["verified"]["restore_seconds"] == 1.0
+    man: Manifest = _doc(entries)  # type: ignore[assignment]
+    manifest_io.write(root, man)
+    assert manifest_io.read(root)["files"] == entries
+    assert manifest_io.list_files(root) == [e["path"] for e in entries]  # manifest excluded
+    assert not manifest_io.is_verified(root)
+    manifest_io.mark_verified(root, man, {"restore_seconds": 1.0})
+    assert manifest_io.is_verified(root)
+    assert manifest_io.read(root)["verified"]["restore_seconds"] == 1.0
 
 
 @pytest.mark.parametrize(
@@ -65,36 +66,36 @@ def test_write_read_and_verified_marker(tmp_path: Path) -> None:
 def test_validate_names_the_problem(doc: dict[str, Any], needle: str) -> None:
     base = _doc([])
     base.update(doc)
-    problems = manifest.validate(base)
+    problems = manifest_io.validate(base)
     assert any(needle in p for p in problems), problems
 
 
 def test_read_reasons(tmp_path: Path) -> None:
-    with pytest.raises(manifest.ManifestError) as e:
-        manifest.read(tmp_path)
+    with pytest.raises(manifest_io.ManifestError) as e:
+        manifest_io.read(tmp_path)
     assert e.value.reason == "no_checkpoint"
-    (tmp_path / api.MANIFEST_NAME).write_text("{not json")
-    with pytest.raises(manifest.ManifestError) as e:
-        manifest.read(tmp_path)
+    (tmp_path / MANIFEST_NAME).write_text("{not json")
+    with pytest.raises(manifest_io.ManifestError) as e:
+        manifest_io.read(tmp_path)
     assert e.value.reason == "manifest_invalid"
 
 
 @pytest.mark.parametrize("algo", ["crc32", "sha256"])
 def test_size_check_and_prefetch_hash_catch_damage(tmp_path: Path, algo: str) -> None:
     root, entries = _ckpt(tmp_path)
-    manifest.check_sizes(root, entries)
+    manifest_io.check_sizes(root, entries)
     assert prefetch.Prefetcher(root, entries, threads=2, verify=algo).result().bad == []
     pages = root / "images" / "pages-1.img"
     data = bytearray(pages.read_bytes())
     data[5000] ^= 0xFF  # same size, different content
     pages.write_bytes(bytes(data))
-    manifest.check_sizes(root, entries)  # sizes cannot see it ...
+    manifest_io.check_sizes(root, entries)  # sizes cannot see it ...
     res = prefetch.Prefetcher(root, entries, threads=2, verify=algo).result()
     assert res.bad == [f"images/pages-1.img: {algo} differs from the manifest"]  # ... hashes do
     assert prefetch.Prefetcher(root, entries, threads=2, verify="size").result().bad == []
     assert res.bytes_read == sum(e["size"] for e in entries)
     (root / "images" / "core-1.img").unlink()
-    with pytest.raises(manifest.ManifestError) as e:
-        manifest.check_sizes(root, entries)
+    with pytest.raises(manifest_io.ManifestError) as e:
+        manifest_io.check_sizes(root, entries)
     assert e.value.reason == "file_missing"
     assert "missing" in json.dumps(str(e.value))

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 from aiohttp import ClientSession, web
 from aiohttp.test_utils import TestServer
-from rekindle_contract import api
 from rekindle_agent.agent import Agent
 from rekindle_agent.config import AgentConfig
-from rekindle_agent.server import Proxy, admin_app, proxy_app
+from rekindle_agent.server import Proxy, admin_app, listen, proxy_app, write_ports_file
+from rekindle_contract import api
 
 TOKEN = b"unit-test-token-0123456789"
 
@@ -35,7 +36,7 @@ async def _upstream() -> TestServer:
 async def _scenario(tmp_path: Path) -> None:
     up = await _upstream()
     cfg = AgentConfig(
-        model=str(tmp_path), run_dir=str(tmp_path), vllm_port=up.port or 0, worker_extension=None
+        model=str(tmp_path), run_dir=str(tmp_path), vllm_port=up.port or 0, worker_extension="none"
     )
     agent = Agent(cfg, TOKEN)
     proxy = Proxy(agent)
@@ -49,7 +50,9 @@ async def _scenario(tmp_path: Path) -> None:
                 assert r.status == 401
             hdr = {"Authorization": "Bearer " + TOKEN.decode()}
             async with s.get(admin.make_url(api.PATH_STATUS), headers=hdr) as r:
-                assert r.status == 200 and (await r.json())["state"] == "Booting"
+                doc = await r.json()
+                assert r.status == 200 and doc["state"] == "Booting"
+                assert set(doc) == set(api.StatusDoc.__annotations__)
             async with s.get(admin.make_url(api.PATH_READYZ)) as r:
                 assert r.status == 503  # no token needed, not ready yet
             async with s.post(serve.make_url("/v1/completions"), json={}) as r:
@@ -72,3 +75,26 @@ async def _scenario(tmp_path: Path) -> None:
 
 def test_auth_refusal_and_streaming(tmp_path: Path) -> None:
     asyncio.run(_scenario(tmp_path))
+
+
+async def _listen_on_port_zero(tmp_path: Path) -> None:
+    async def hello(_request: web.Request) -> web.Response:
+        return web.Response(text="hi")
+
+    app = web.Application()
+    app.router.add_get("/", hello)
+    runner, port = await listen(app, "127.0.0.1", 0)
+    try:
+        assert port > 0
+        path = tmp_path / "ports.json"
+        write_ports_file(str(path), {"serve": port, "admin": 1})
+        assert json.loads(path.read_text()) == {"serve": port, "admin": 1}
+        assert [p.name for p in tmp_path.iterdir()] == ["ports.json"]  # no temp file left
+        async with ClientSession() as s, s.get(f"http://127.0.0.1:{port}/") as r:
+            assert await r.text() == "hi"
+    finally:
+        await runner.cleanup()
+
+
+def test_port_zero_reports_the_bound_port(tmp_path: Path) -> None:
+    asyncio.run(_listen_on_port_zero(tmp_path))

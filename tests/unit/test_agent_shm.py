@@ -3,7 +3,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from rekindle_agent import shm
+from rekindle_agent import shm_files
 
 
 def _sparse_file(path: Path) -> None:
@@ -18,7 +18,7 @@ def _sparse_file(path: Path) -> None:
 def test_copy_sparse_keeps_content_and_holes(tmp_path: Path) -> None:
     src, dst = tmp_path / "src", tmp_path / "dst"
     _sparse_file(src)
-    copied = shm.copy_sparse(str(src), str(dst), mode=0o640)
+    copied = shm_files.copy_sparse(str(src), str(dst), mode=0o640)
     assert src.read_bytes() == dst.read_bytes()
     assert copied < 1 << 20  # only the data extents, not 64 MiB
     assert os.stat(dst).st_blocks * 512 < 1 << 20
@@ -36,7 +36,7 @@ def test_tree_shm_files_from_maps_and_fds(tmp_path: Path) -> None:
     )
     os.symlink("/dev/shm/vllm_mq_1", proc / "5" / "fd" / "9")
     os.symlink("socket:[123]", proc / "5" / "fd" / "3")
-    names = shm.tree_shm_files([5, 6], proc=proc)
+    names = shm_files.tree_shm_files([5, 6], proc=proc)
     assert names == {"psm_abc", "sem.mp-x1", "vllm_mq_1"}
 
 
@@ -46,13 +46,13 @@ def test_save_recreate_roundtrip_and_clear(tmp_path: Path) -> None:
     _sparse_file(fake_shm / "psm_1")
     (fake_shm / "sem.mp-2").write_bytes(b"x" * 32)
     os.chmod(fake_shm / "sem.mp-2", 0o644)
-    recs = shm.save({"psm_1", "sem.mp-2", "gone"}, store, shm_dir=str(fake_shm))
+    recs = shm_files.save({"psm_1", "sem.mp-2", "gone"}, store, shm_dir=str(fake_shm))
     assert [r["name"] for r in recs] == ["psm_1", "sem.mp-2"]  # 'gone' does not exist
     original = {n: (fake_shm / n).read_bytes() for n in ("psm_1", "sem.mp-2")}
-    removed = shm.clear_stale(str(fake_shm))
+    removed = shm_files.clear_stale(str(fake_shm))
     assert removed == ["psm_1", "sem.mp-2"] and not any(fake_shm.iterdir())
-    shm.recreate(recs, store, shm_dir=str(fake_shm))
+    shm_files.recreate(recs, store, shm_dir=str(fake_shm))
     for name, data in original.items():
         assert (fake_shm / name).read_bytes() == data
     assert os.stat(fake_shm / "sem.mp-2").st_mode & 0o777 == 0o644
-    assert shm.clear_stale(str(fake_shm), in_use={"psm_1"}) == ["sem.mp-2"]
+    assert shm_files.clear_stale(str(fake_shm), in_use={"psm_1"}) == ["sem.mp-2"]

@@ -105,3 +105,25 @@ def test_missing_rpc_is_recognised(fake: str) -> None:
         VllmControl(fake, "cpu").release("/ck/weights")
     assert e.value.status == 500 and missing_method(e.value)
     assert len(_Fake.seen) == 1  # nothing released after a failed dump
+
+
+def test_contract_rpc_names_are_the_extensions_methods() -> None:
+    """The names the agent calls (rekindle_contract.rpc) exist on the worker extension.
+
+    Read from the source: importing the extension would import vLLM.
+    """
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    from rekindle_contract import rpc
+
+    spec = importlib.util.find_spec("rekindle_agent.vllm_extension")
+    assert spec is not None and spec.origin is not None
+    tree = ast.parse(Path(spec.origin).read_text())
+    module, cls_name = rpc.WORKER_EXTENSION.rsplit(".", 1)
+    assert module == "rekindle_agent.vllm_extension"
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls_name]
+    methods = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+    names = {v for k, v in vars(rpc).items() if k.isupper() and k != "WORKER_EXTENSION"}
+    assert names and names <= methods, names - methods

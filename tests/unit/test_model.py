@@ -37,3 +37,10 @@ def test_regenerating_keeps_existing_files(tmp_path: Path) -> None:
     mtime = (out / "model.safetensors").stat().st_mtime_ns
     generate_tiny_model(out)
     assert (out / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+def test_rekindle_dev_model_tiny_command() -> None:
+    from rekindle_dev import commands as cli
+
+    args = cli.build_parser().parse_args(["model", "tiny", "--out", "/tmp/m", "--seed", "3"])
+    assert (args.out, args.seed) == ("/tmp/m", 3)

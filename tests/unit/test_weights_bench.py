@@ -1,4 +1,4 @@
-"""`rekindle bench weights`: the command wiring, the summary, and a small real run (CPU)."""
+"""`rekindle-dev bench weights`: the command wiring, the summary, and a small real run (CPU)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from rekindle_dev.cli import build_parser
-from rekindle_agent.weights import bench
+from rekindle_dev import bench_weights as bench
+from rekindle_dev import commands as cli
 
 
 def test_summary_ratios_and_table() -> None:
@@ -27,17 +27,18 @@ def test_summary_ratios_and_table() -> None:
 
 
 def test_cli_has_bench_weights_beside_other_benchmarks() -> None:
-    args = build_parser().parse_args(["bench", "weights", "--sizes", "1", "--no-cold"])
+    args = cli.build_parser().parse_args(["bench", "weights", "--sizes", "1", "--no-cold"])
     assert args.func is bench.run and args.sizes == "1" and args.no_cold
     assert bench.command_line(args) == (
-        "rekindle bench weights --sizes 1 --trials 3 --device cpu --no-cold"
+        "rekindle-dev bench weights --sizes 1 --trials 3 --device cpu --no-cold"
     )
 
 
 def test_small_real_run_writes_json_table_and_plot(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    rc = bench.main(
+    rc = cli.main(
         [
+            "bench",
             "weights",
             "--sizes",
             "0.05",

@@ -13,9 +13,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from rekindle_agent.vllm_launch import complete
+from rekindle_contract import rpc
+from rekindle_dev.vllm_runner import RpcError, VllmServer, complete, running_vllm
 from rekindle_weights import format as fmt
-from rekindle_dev.vllm_runner import RpcError, VllmServer, running_vllm
 
 pytestmark = pytest.mark.vllm
 
@@ -46,7 +46,7 @@ def weights_server(
 @pytest.fixture(scope="module")
 def weights_dump(weights_server: VllmServer, tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("weights-dump")
-    (res,) = weights_server.rpc("rekindle_dump_weights", str(d))
+    (res,) = weights_server.rpc(rpc.DUMP_WEIGHTS, str(d))
     assert res["rank"] == 0 and res["tensors"] > 0
     assert res["bytes"] == fmt.data_path(d, 0).stat().st_size
     json.dumps(res)  # the agent relays these as JSON
@@ -58,15 +58,15 @@ def test_dump_release_reload_is_bit_exact_and_frees_memory(
 ) -> None:
     s = weights_server
     before = _completions(s)
-    (digest0,) = s.rpc("rekindle_weights_digest")
+    (digest0,) = s.rpc(rpc.WEIGHTS_DIGEST)
     index = fmt.read_index(weights_dump, 0)
     # The dump holds exactly what the worker holds, checksum for checksum.
     assert digest0 == {t.name: t.checksum for t in index.tensors}
 
-    (info,) = s.rpc("rekindle_worker_info")
+    (info,) = s.rpc(rpc.WORKER_INFO)
     pid = info["pid"]
     rss_before = _rss(pid)
-    (rel,) = s.rpc("rekindle_release_weights")
+    (rel,) = s.rpc(rpc.RELEASE_WEIGHTS)
     rss_released = _rss(pid)
     assert rel["weight_bytes"] >= index.data_bytes * 0.9  # every weight, not just a few
     assert rel["kv_cache_bytes"] > 0
@@ -78,11 +78,11 @@ def test_dump_release_reload_is_bit_exact_and_frees_memory(
     )
     assert dropped >= 0.8 * rel["freed_bytes"]
 
-    (res,) = s.rpc("rekindle_reload_weights", str(weights_dump))
+    (res,) = s.rpc(rpc.RELOAD_WEIGHTS, str(weights_dump))
     assert res["bytes"] == index.data_bytes and res["verified"] is True
     assert res["gbps"] > 0
     s.post("/reset_prefix_cache")
-    (digest1,) = s.rpc("rekindle_weights_digest")
+    (digest1,) = s.rpc(rpc.WEIGHTS_DIGEST)
     assert digest1 == digest0
     assert _completions(s) == before
 
@@ -111,12 +111,12 @@ def test_corrupt_dump_is_refused_naming_the_tensor_and_a_good_one_recovers(
     # (not serving half-loaded weights), and a good dump brings it back.
     for release_first in (False, True):
         if release_first:
-            s.rpc("rekindle_release_weights")
+            s.rpc(rpc.RELEASE_WEIGHTS)
         with pytest.raises(RpcError, match=pattern):
-            s.rpc("rekindle_reload_weights", str(bad))
-        (info,) = s.rpc("rekindle_worker_info")
+            s.rpc(rpc.RELOAD_WEIGHTS, str(bad))
+        (info,) = s.rpc(rpc.WORKER_INFO)
         assert info["released"] is True
-        s.rpc("rekindle_reload_weights", str(weights_dump))
+        s.rpc(rpc.RELOAD_WEIGHTS, str(weights_dump))
         s.post("/reset_prefix_cache")
         assert _completions(s) == before
 
@@ -126,7 +126,7 @@ def test_dump_that_does_not_match_is_refused_before_anything_is_written(
     weights_server: VllmServer, weights_dump: Path, tmp_path: Path, damage: str
 ) -> None:
     s = weights_server
-    (digest0,) = s.rpc("rekindle_weights_digest")
+    (digest0,) = s.rpc(rpc.WEIGHTS_DIGEST)
     bad = _broken_copy(weights_dump, tmp_path / damage)
     ipath = fmt.index_path(bad, 0)
     doc = json.loads(ipath.read_text())
@@ -145,6 +145,6 @@ def test_dump_that_does_not_match_is_refused_before_anything_is_written(
 
     name = victim["name"].removesuffix(".renamed")
     with pytest.raises(RpcError, match=name.replace(".", r"\.")):
-        s.rpc("rekindle_reload_weights", str(bad))
-    (digest1,) = s.rpc("rekindle_weights_digest")
+        s.rpc(rpc.RELOAD_WEIGHTS, str(bad))
+    (digest1,) = s.rpc(rpc.WEIGHTS_DIGEST)
     assert digest1 == digest0  # validated before a single byte was written

@@ -14,22 +14,31 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+from rekindle_contract.manifest import (
+    FILES_SUBDIR,
+    IMAGES_SUBDIR,
+    MANIFEST_FORMAT,
+    SHM_SUBDIR,
+    WEIGHTS_SUBDIR,
+    Manifest,
+)
 
 from rekindle_agent import (
     __version__,
-    api,
     criu,
     fingerprint,
     io_uring,
-    manifest,
+    manifest_io,
     proctree,
-    shm,
+    shm_files,
 )
+from rekindle_agent.config import AgentConfig
 from rekindle_agent.vllm_control import VllmCallError, VllmControl, missing_method
+from rekindle_agent.vllm_process import VllmProcess
 
-if TYPE_CHECKING:
-    from rekindle_agent.agent import Agent
+DUMP_LOG = "dump.log"  # CRIU's log, kept beside the images (not checksummed)
 
 
 class CheckpointError(RuntimeError):
@@ -78,13 +87,13 @@ def deleted_file_dirs(pids: list[int]) -> set[str]:
 
 
 def save_extra(ckpt: Path, paths: list[str], exact: bool) -> list[dict[str, Any]]:
-    dest = ckpt / api.FILES_SUBDIR
+    dest = ckpt / FILES_SUBDIR
     dest.mkdir(mode=0o700, exist_ok=True)
     out = []
     for i, src in enumerate(sorted(paths)):
         if not os.path.isfile(src):
             continue
-        rel = f"{api.FILES_SUBDIR}/{i:03d}-{os.path.basename(src)}"
+        rel = f"{FILES_SUBDIR}/{i:03d}-{os.path.basename(src)}"
         shutil.copyfile(src, ckpt / rel)
         st = os.stat(src)
         out.append(
@@ -99,37 +108,33 @@ def save_extra(ckpt: Path, paths: list[str], exact: bool) -> list[dict[str, Any]
     return out
 
 
-def checkpoint(agent: Agent, ckpt: Path) -> api.Manifest:
-    """Dump the running vLLM into ckpt; returns the manifest (not yet verified)."""
-    cfg = agent.cfg
-    root = agent.root_pid
+def checkpoint(
+    ckpt: Path,
+    vllm: VllmProcess,
+    control: VllmControl,
+    criu_info: criu.CriuInfo,
+    cfg: AgentConfig,
+    fp: dict[str, Any],
+) -> Manifest:
+    """Dump the running vLLM into ckpt; returns the manifest (not yet verified).
+
+    fp is the fingerprint of what runs (fingerprint.collect), recorded so a
+    restore can refuse an environment that differs.
+    """
+    root = vllm.root_pid
     if root is None or not proctree.alive(root):
         raise CheckpointError("vLLM is not running", serving=False)
-    info = agent.criu_info()
     phases: dict[str, float] = {}
     t = t_start = time.monotonic()
     ckpt.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(ckpt, 0o700)  # images hold process memory: secrets, prompts, keys
-    images = ckpt / api.IMAGES_SUBDIR
+    images = ckpt / IMAGES_SUBDIR
     images.mkdir(mode=0o700)
-    weights_dir = ckpt / api.WEIGHTS_SUBDIR
+    weights_dir = ckpt / WEIGHTS_SUBDIR
     weights_dir.mkdir(mode=0o700)
 
-    control = VllmControl(agent.vllm_url, cfg.device)
-    weights: dict[str, Any] = {"released": False, "dir": api.WEIGHTS_SUBDIR}
-    try:
-        phases.update(control.release(str(weights_dir)))
-        weights["released"] = True
-        agent.status.weights_rpc = "available"
-    except VllmCallError as e:
-        if not missing_method(e):
-            _undo_release(control, weights_dir)
-            raise CheckpointError(f"releasing the weights failed: {e}") from e
-        weights["reason"] = "weights RPCs not available in this vLLM: checkpoint without release"
-        agent.status.weights_rpc = "unavailable"
-        with contextlib.suppress(OSError):
-            shutil.rmtree(weights_dir)
-            weights_dir.mkdir(mode=0o700)
+    weights, release_phases = _release(control, weights_dir)
+    phases.update(release_phases)
     t = _mark(phases, "release_total", t)
 
     pids = proctree.tree(root)
@@ -138,14 +143,14 @@ def checkpoint(agent: Agent, ckpt: Path) -> api.Manifest:
         if weights["released"]:
             _undo_release(control, weights_dir)
         raise CheckpointError(io_uring.error_message(found))
-    shm_names = shm.tree_shm_files(pids)
-    remap_dirs = {shm.SHM, *deleted_file_dirs(pids)}
+    shm_names = shm_files.tree_shm_files(pids)
+    remap_dirs = {shm_files.SHM, *deleted_file_dirs(pids)}
     before = link_remaps(remap_dirs)
     t = _mark(phases, "inspect", t)
 
-    log = str(ckpt / "dump.log")
-    res = agent.reaper.run(
-        criu.dump_argv(info.binary, root, str(images), log, plugins=cfg.criu_plugins),
+    log = str(ckpt / DUMP_LOG)
+    res = vllm.reaper.run(
+        criu.dump_argv(criu_info.binary, root, str(images), log, plugins=cfg.criu_plugins),
         timeout=600,
     )
     t = _mark(phases, "criu_dump", t)
@@ -157,31 +162,30 @@ def checkpoint(agent: Agent, ckpt: Path) -> api.Manifest:
         if serving and weights["released"]:
             _undo_release(control, weights_dir)
         raise CheckpointError(f"criu dump exited {res.returncode}:\n{tail}", serving=serving)
-    agent.dumped(pids)
+    vllm.dumped(pids)
 
     remaps = link_remaps(remap_dirs) - before
-    shm_remaps = {os.path.basename(p) for p in remaps if os.path.dirname(p) == shm.SHM}
-    shm_records = shm.save(shm_names | shm_remaps, ckpt / api.SHM_SUBDIR)
-    extra = save_extra(ckpt, [agent.vllm_log], exact=False)
+    shm_remaps = {os.path.basename(p) for p in remaps if os.path.dirname(p) == shm_files.SHM}
+    shm_records = shm_files.save(shm_names | shm_remaps, ckpt / SHM_SUBDIR)
+    extra = save_extra(ckpt, [vllm.log_path], exact=False)
     extra += save_extra(
-        ckpt, sorted(p for p in remaps if os.path.dirname(p) != shm.SHM), exact=True
+        ckpt, sorted(p for p in remaps if os.path.dirname(p) != shm_files.SHM), exact=True
     )
     t = _mark(phases, "save_files", t)
 
-    rel = manifest.list_files(ckpt)
-    rel = [r for r in rel if r not in ("dump.log",)]
-    entries = manifest.checksum_files(ckpt, rel, threads=max(2, cfg.prefetch_threads // 2))
+    rel = [r for r in manifest_io.list_files(ckpt) if r != DUMP_LOG]
+    entries = manifest_io.checksum_files(ckpt, rel, threads=max(2, cfg.prefetch_threads // 2))
     t = _mark(phases, "checksums", t)
     phases["total"] = t - t_start
 
-    man: api.Manifest = {
-        "format": api.MANIFEST_FORMAT,
+    man: Manifest = {
+        "format": MANIFEST_FORMAT,
         "created_at": time.time(),
         "agent_version": __version__,
-        "fingerprint": agent.fingerprint(),
-        "environment": fingerprint.environment(info.version),
+        "fingerprint": fp,
+        "environment": fingerprint.environment(criu_info.version),
         "vllm": {
-            "argv": agent.vllm_argv,
+            "argv": vllm.argv,
             "port": cfg.vllm_port,
             "served_name": cfg.served_name,
             "root_pid": root,
@@ -193,15 +197,37 @@ def checkpoint(agent: Agent, ckpt: Path) -> api.Manifest:
         "shm_files": shm_records,
         "extra_files": extra,
         "criu": {
-            "binary": info.binary,
-            "version": info.version,
+            "binary": criu_info.binary,
+            "version": criu_info.version,
             "dump_flags": list(criu.COMMON_FLAGS),
         },
         "files": entries,
         "timings": phases,
     }
-    manifest.write(ckpt, man)
+    manifest_io.write(ckpt, man)
     return man
+
+
+def _release(control: VllmControl, weights_dir: Path) -> tuple[dict[str, Any], dict[str, float]]:
+    """Dump and release the weights: (the manifest's `weights` record, phase seconds).
+
+    A vLLM without Rekindle's extension is checkpointed as it is (weights in
+    the image), and the record says why.
+    """
+    weights: dict[str, Any] = {"released": False, "dir": WEIGHTS_SUBDIR}
+    phases: dict[str, float] = {}
+    try:
+        phases = control.release(str(weights_dir))
+        weights["released"] = True
+    except VllmCallError as e:
+        if not missing_method(e):
+            _undo_release(control, weights_dir)
+            raise CheckpointError(f"releasing the weights failed: {e}") from e
+        weights["reason"] = "weights RPCs not available in this vLLM: checkpoint without release"
+        with contextlib.suppress(OSError):
+            shutil.rmtree(weights_dir)
+            weights_dir.mkdir(mode=0o700)
+    return weights, phases
 
 
 def _mark(phases: dict[str, float], name: str, t0: float) -> float:

@@ -1,6 +1,6 @@
 """CRIU command lines for vLLM's tree, and what the installed CRIU can do.
 
-Flags, and why (each one was needed on a real vLLM CPU server, PLATFORM.md):
+Flags, and why (each one was needed on a real vLLM CPU server):
   --shell-job        the tree's session/pgrp leader may be outside it (shell, agent)
   --tcp-established  tolerate established TCP connections in the tree. Observed:
                      vLLM CPU's tree holds 14 listening loopback sockets (its port,
@@ -75,7 +75,6 @@ def restore_argv(
     pidfile: str,
     mmap: bool = False,
     plugins: str | None = None,
-    inherit_fds: list[str] | None = None,
 ) -> list[str]:
     """Detached (-d): CRIU exits once the tree runs; the root is re-parented to the agent."""
     argv = [
@@ -95,8 +94,6 @@ def restore_argv(
         argv.append(MMAP_RESTORE_FLAG)
     if plugins:
         argv += ["-L", plugins]
-    for spec in inherit_fds or []:
-        argv += ["--inherit-fd", spec]
     return argv
 
 

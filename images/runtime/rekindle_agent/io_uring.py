@@ -16,7 +16,7 @@ MARK = "io_uring"
 
 FIX = (
     "io_uring instances cannot be checkpointed. Keep the agent's seccomp filter on "
-    "(drop --no-seccomp) so vLLM's tree cannot create them, or set "
+    "(drop --no-seccomp-io-uring) so vLLM's tree cannot create them, or set "
     "sysctl kernel.io_uring_disabled=2 on the node"
 )
 

@@ -16,13 +16,21 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, cast
 
-from rekindle_agent import __version__, api
+from rekindle_contract.manifest import (
+    MANIFEST_FORMAT,
+    MANIFEST_NAME,
+    VERIFIED_NAME,
+    FileEntry,
+    Manifest,
+)
+
+from rekindle_agent import __version__
 
 READ_CHUNK = 8 << 20
 
 
 class ManifestError(ValueError):
-    """The checkpoint cannot be used; .reason is one of api.FALLBACK_REASONS."""
+    """The checkpoint cannot be used; .reason is one of rekindle_contract.api.FALLBACK_REASONS."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
@@ -45,9 +53,7 @@ def digest_file(path: Path | str, chunk: int = READ_CHUNK) -> tuple[str, str]:
     return h.hexdigest(), f"{crc:08x}"
 
 
-def list_files(
-    root: Path, exclude: tuple[str, ...] = (api.MANIFEST_NAME, api.VERIFIED_NAME)
-) -> list[str]:
+def list_files(root: Path, exclude: tuple[str, ...] = (MANIFEST_NAME, VERIFIED_NAME)) -> list[str]:
     """Every regular file below root, relative, sorted; the manifest itself excluded."""
     out = []
     for dirpath, _dirs, files in os.walk(root):
@@ -58,11 +64,11 @@ def list_files(
     return sorted(out)
 
 
-def checksum_files(root: Path, rel_paths: list[str], threads: int = 4) -> list[api.FileEntry]:
+def checksum_files(root: Path, rel_paths: list[str], threads: int = 4) -> list[FileEntry]:
     """Sizes and sha256 of the files, largest first across a thread pool (GiBs of images)."""
     order = sorted(rel_paths, key=lambda r: -(root / r).stat().st_size)
 
-    def one(rel: str) -> api.FileEntry:
+    def one(rel: str) -> FileEntry:
         p = root / rel
         sha, crc = digest_file(p)
         return {"path": rel, "size": p.stat().st_size, "sha256": sha, "crc32": crc}
@@ -72,18 +78,18 @@ def checksum_files(root: Path, rel_paths: list[str], threads: int = 4) -> list[a
     return sorted(entries, key=lambda e: e["path"])
 
 
-def write(root: Path, manifest: api.Manifest) -> Path:
+def write(root: Path, manifest: Manifest) -> Path:
     """Atomically (rename) so a reader never sees half a manifest."""
-    path = root / api.MANIFEST_NAME
-    tmp = root / (api.MANIFEST_NAME + ".tmp")
+    path = root / MANIFEST_NAME
+    tmp = root / (MANIFEST_NAME + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
     os.chmod(tmp, 0o600)
     os.replace(tmp, path)
     return path
 
 
-def read(root: Path) -> api.Manifest:
-    path = root / api.MANIFEST_NAME
+def read(root: Path) -> Manifest:
+    path = root / MANIFEST_NAME
     if not path.is_file():
         raise ManifestError("no_checkpoint", f"{path} does not exist")
     try:
@@ -93,7 +99,7 @@ def read(root: Path) -> api.Manifest:
     problems = validate(data)
     if problems:
         raise ManifestError("manifest_invalid", f"{path}: " + "; ".join(problems))
-    return cast(api.Manifest, data)
+    return cast(Manifest, data)
 
 
 def validate(data: Any) -> list[str]:
@@ -101,8 +107,8 @@ def validate(data: Any) -> list[str]:
     if not isinstance(data, dict):
         return ["not a JSON object"]
     out = []
-    if data.get("format") != api.MANIFEST_FORMAT:
-        out.append(f"format {data.get('format')!r}, this agent reads {api.MANIFEST_FORMAT}")
+    if data.get("format") != MANIFEST_FORMAT:
+        out.append(f"format {data.get('format')!r}, this agent reads {MANIFEST_FORMAT}")
     for key in ("fingerprint", "vllm", "files", "criu"):
         if key not in data:
             out.append(f"missing {key!r}")
@@ -122,7 +128,7 @@ def validate(data: Any) -> list[str]:
     return out
 
 
-def check_sizes(root: Path, files: list[api.FileEntry]) -> None:
+def check_sizes(root: Path, files: list[FileEntry]) -> None:
     """Cheap completeness check: every listed file exists with its recorded size."""
     for f in files:
         p = root / f["path"]
@@ -137,13 +143,13 @@ def check_sizes(root: Path, files: list[api.FileEntry]) -> None:
 
 
 def is_verified(root: Path) -> bool:
-    return (root / api.VERIFIED_NAME).is_file()
+    return (root / VERIFIED_NAME).is_file()
 
 
-def mark_verified(root: Path, manifest: api.Manifest, details: dict[str, Any]) -> None:
+def mark_verified(root: Path, manifest: Manifest, details: dict[str, Any]) -> None:
     """A checkpoint counts as good only after one restore from it served a completion."""
     manifest["verified"] = {"at": time.time(), "agent_version": __version__, **details}
     write(root, manifest)
-    marker = root / api.VERIFIED_NAME
+    marker = root / VERIFIED_NAME
     marker.write_text(json.dumps(manifest["verified"], sort_keys=True) + "\n")
     os.chmod(marker, 0o600)

@@ -2,7 +2,7 @@
 
 Started first thing on restore and overlapped with everything else: by the
 time CRIU reads pages-*.img (or, with the mmap restore, faults its pages in),
-they are already cached. The same read also proves the files intact (sha256
+they are already cached. The same read also proves the files intact (crc32 or sha256
 against the manifest), so the integrity check costs no extra I/O.
 """
 
@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rekindle_contract import api
+from rekindle_contract.manifest import FileEntry
 
 CHUNK = 8 << 20
 
@@ -29,7 +29,7 @@ class PrefetchResult:
     bad: list[str] = field(default_factory=list)  # "path: reason"
 
 
-def expected(entry: api.FileEntry, verify: str) -> tuple[str, str] | None:
+def expected(entry: FileEntry, verify: str) -> tuple[str, str] | None:
     """(algorithm, digest) to check entry against, or None for no content check.
 
     crc32 is the default at restore: it catches damaged or truncated images at
@@ -83,7 +83,7 @@ class Prefetcher:
     def __init__(
         self,
         root: Path,
-        files: list[api.FileEntry],
+        files: list[FileEntry],
         threads: int = 8,
         verify: str = "crc32",
         chunk: int = CHUNK,

@@ -69,11 +69,8 @@ class Reaper:
         env: Mapping[str, str] | None = None,
         stdout: int | None = None,
         stderr: int | None = None,
-        new_session: bool = True,
-        pass_fds: Sequence[int] = (),
-        cwd: str | None = None,
     ) -> int:
-        """Start argv (in its own session by default) and return its pid."""
+        """Start argv in its own session (killed as a group) and return its pid."""
         with self._cond:
             p = subprocess.Popen(
                 list(argv),
@@ -81,18 +78,12 @@ class Reaper:
                 stdin=subprocess.DEVNULL,
                 stdout=stdout,
                 stderr=stderr,
-                start_new_session=new_session,
-                pass_fds=tuple(pass_fds),
-                cwd=cwd,
+                start_new_session=True,
             )
             self._status.pop(p.pid, None)
             # Popen must never wait for it: the reaper owns the status.
             p.returncode = 0
             return p.pid
-
-    def poll(self, pid: int) -> int | None:
-        with self._cond:
-            return self._status.get(pid)
 
     def wait(self, pid: int, timeout: float | None = None) -> int:
         """Exit code (negative: killed by that signal); TimeoutError after timeout."""
@@ -109,21 +100,11 @@ class Reaper:
         with self._cond:
             self._status.pop(pid, None)
 
-    def run(
-        self,
-        argv: Sequence[str],
-        *,
-        timeout: float | None = None,
-        env: Mapping[str, str] | None = None,
-        log_path: str | None = None,
-        pass_fds: Sequence[int] = (),
-    ) -> Result:
-        """Run to completion; stdout+stderr go to log_path (or are captured) and are returned."""
-        path = log_path or f"/tmp/.rekindle-run-{os.getpid()}-{threading.get_ident()}.log"
+    def run(self, argv: Sequence[str], *, timeout: float | None = None) -> Result:
+        """Run to completion; its stdout+stderr (through a temporary file) are returned."""
+        path = f"/tmp/.rekindle-run-{os.getpid()}-{threading.get_ident()}.log"
         with open(path, "wb") as out:
-            pid = self.spawn(
-                argv, env=env, stdout=out.fileno(), stderr=subprocess.STDOUT, pass_fds=pass_fds
-            )
+            pid = self.spawn(argv, stdout=out.fileno(), stderr=subprocess.STDOUT)
         try:
             code = self.wait(pid, timeout)
         except TimeoutError:
@@ -135,6 +116,5 @@ class Reaper:
             self.forget(pid)
         with open(path, errors="replace") as f:
             text = f.read()
-        if log_path is None:
-            os.unlink(path)
+        os.unlink(path)
         return Result(code, text)

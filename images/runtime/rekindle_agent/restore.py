@@ -4,7 +4,8 @@ Order matters for speed: prefetching (and hashing) every file starts first and
 runs while the cheap checks, the /dev/shm files and CRIU itself proceed; the
 result is awaited only before the restored server is declared good. Any
 failure kills whatever was restored and raises RestoreError with a reason code
-(api.FALLBACK_REASONS), which the agent turns into a normal boot.
+(rekindle_contract.api.FALLBACK_REASONS), which the agent turns into a normal boot
+(or, with --restore-policy require, into Failed).
 """
 
 from __future__ import annotations
@@ -13,14 +14,18 @@ import contextlib
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from rekindle_agent import api, criu, early, fingerprint, manifest, prefetch, proctree, shm
-from rekindle_agent.vllm_control import VllmCallError, VllmControl, wait_health
+from rekindle_contract.manifest import IMAGES_SUBDIR, SHM_SUBDIR, VERIFIED_NAME, WEIGHTS_SUBDIR
 
-if TYPE_CHECKING:
-    from rekindle_agent.agent import Agent
+from rekindle_agent import criu, fingerprint, manifest_io, prefetch, shm_files
+from rekindle_agent.config import AgentConfig
+from rekindle_agent.vllm_control import VllmCallError, VllmControl
+from rekindle_agent.vllm_process import VllmProcess
+
+HEALTH_TIMEOUT_S = 60.0  # a restored server answers at once; this only bounds a hung one
 
 
 class RestoreError(RuntimeError):
@@ -63,9 +68,24 @@ def wait_pids_free(pids: list[int], timeout: float = 10.0) -> None:
         time.sleep(0.02)
 
 
-def restore(agent: Agent, ckpt: Path, *, require_verified: bool, mmap: bool) -> dict[str, float]:
-    """Run the whole restore; returns phase seconds. Raises RestoreError."""
-    cfg = agent.cfg
+def restore(
+    ckpt: Path,
+    vllm: VllmProcess,
+    control: VllmControl,
+    criu_info: criu.CriuInfo,
+    cfg: AgentConfig,
+    *,
+    fp: Callable[[], dict[str, Any]],
+    prefetcher: prefetch.Prefetcher | None,
+    require_verified: bool,
+    mmap: bool,
+) -> dict[str, float]:
+    """Run the whole restore; returns phase seconds. Raises RestoreError.
+
+    fp() is the fingerprint of this environment (compared with the
+    checkpoint's); prefetcher is one already reading ckpt (started early), or
+    None to start one here when cfg.prefetch says so.
+    """
     t_start = time.monotonic()
     phases: dict[str, float] = {}
 
@@ -75,32 +95,30 @@ def restore(agent: Agent, ckpt: Path, *, require_verified: bool, mmap: bool) -> 
         return now
 
     try:
-        man = manifest.read(ckpt)
-    except manifest.ManifestError as e:
+        man = manifest_io.read(ckpt)
+    except manifest_io.ManifestError as e:
         raise RestoreError(e.reason, str(e)) from e
     files = man["files"]
     verify = cfg.verify_checksums
-    pre: prefetch.Prefetcher | None = None
-    if cfg.prefetch:
-        pre = early.take_prefetcher(ckpt) or prefetch.Prefetcher(
-            ckpt, files, threads=cfg.prefetch_threads, verify=verify
-        )
+    pre = prefetcher
+    if pre is None and cfg.prefetch:
+        pre = prefetch.Prefetcher(ckpt, files, threads=cfg.prefetch_threads, verify=verify)
     restored_root: int | None = None
     created_shm: list[str] = []
     try:
         t = time.monotonic()
-        if require_verified and not manifest.is_verified(ckpt):
+        if require_verified and not manifest_io.is_verified(ckpt):
             raise RestoreError(
                 "not_verified",
-                f"{ckpt} was never proven by a restore (no '{api.VERIFIED_NAME}' file); "
+                f"{ckpt} was never proven by a restore (no '{VERIFIED_NAME}' file); "
                 "checkpoint again",
             )
-        problems = fingerprint.mismatches(man["fingerprint"], agent.fingerprint())
+        problems = fingerprint.mismatches(man["fingerprint"], fp())
         if problems:
             raise RestoreError("fingerprint_mismatch", "; ".join(problems))
         try:
-            manifest.check_sizes(ckpt, files)
-        except manifest.ManifestError as e:
+            manifest_io.check_sizes(ckpt, files)
+        except manifest_io.ManifestError as e:
             raise RestoreError(e.reason, str(e)) from e
         t = mark("validate", t)
         if pre is None and verify != "size":
@@ -114,32 +132,32 @@ def restore(agent: Agent, ckpt: Path, *, require_verified: bool, mmap: bool) -> 
                 raise RestoreError("checksum_mismatch", "; ".join(bad[:5]))
             t = mark("checksums", t)
 
-        vllm = man["vllm"]
+        dumped = man["vllm"]
         try:
-            os.makedirs(vllm["run_dir"], mode=0o700, exist_ok=True)
-            os.makedirs(os.path.join(vllm["run_dir"], "tmp"), mode=0o700, exist_ok=True)
+            os.makedirs(dumped["run_dir"], mode=0o700, exist_ok=True)
+            os.makedirs(os.path.join(dumped["run_dir"], "tmp"), mode=0o700, exist_ok=True)
             restore_extra_files(ckpt, man.get("extra_files", []))
             created_shm = [str(r["name"]) for r in man.get("shm_files", [])]
-            shm.recreate(man.get("shm_files", []), ckpt / api.SHM_SUBDIR)
+            shm_files.recreate(man.get("shm_files", []), ckpt / SHM_SUBDIR)
         except OSError as e:
             raise RestoreError("shm_restore_failed", f"recreating files: {e}") from e
         t = mark("shm", t)
 
-        wait_pids_free(list(vllm.get("pids", [vllm["root_pid"]])))
-        pidfile = os.path.join(vllm["run_dir"], "restore.pid")
+        wait_pids_free(list(dumped.get("pids", [dumped["root_pid"]])))
+        pidfile = os.path.join(dumped["run_dir"], "restore.pid")
         with contextlib.suppress(FileNotFoundError):
             os.unlink(pidfile)
         # Never into the checkpoint: it is shared by every pod restoring from it.
-        log = os.path.join(vllm["run_dir"], "restore.log")
+        log = os.path.join(dumped["run_dir"], "restore.log")
         argv = criu.restore_argv(
-            agent.criu_info().binary,
-            str(ckpt / api.IMAGES_SUBDIR),
+            criu_info.binary,
+            str(ckpt / IMAGES_SUBDIR),
             log,
             pidfile,
             mmap=mmap,
             plugins=cfg.criu_plugins,
         )
-        res = agent.reaper.run(argv, timeout=cfg.restore_timeout)
+        res = vllm.reaper.run(argv, timeout=cfg.restore_timeout)
         if res.returncode != 0:
             tail = ""
             with contextlib.suppress(OSError):
@@ -149,12 +167,11 @@ def restore(agent: Agent, ckpt: Path, *, require_verified: bool, mmap: bool) -> 
                 f"criu restore exited {res.returncode}: {res.output[-500:]}{tail}",
             )
         restored_root = int(Path(pidfile).read_text().strip())
-        agent.adopt(restored_root)
+        vllm.adopt(restored_root)
         t = mark("criu_restore", t)
 
-        url = agent.vllm_url
         try:
-            wait_health(url, 60, alive=lambda: proctree.alive(restored_root or 0))
+            control.wait_health(HEALTH_TIMEOUT_S, alive=vllm.alive)
         except (TimeoutError, RuntimeError) as e:
             raise RestoreError("wake_failed", f"restored vLLM not healthy: {e}") from e
         t = mark("health", t)
@@ -166,11 +183,10 @@ def restore(agent: Agent, ckpt: Path, *, require_verified: bool, mmap: bool) -> 
                 raise RestoreError("checksum_mismatch", "; ".join(result.bad[:5]))
             t = mark("prefetch_wait", t)
 
-        control = VllmControl(url, cfg.device)
         if man.get("weights", {}).get("released"):
             try:
                 # Content was checked above (prefetch or up front) unless only sizes were.
-                control.wake(str(ckpt / api.WEIGHTS_SUBDIR), verify=verify == "size")
+                control.wake(str(ckpt / WEIGHTS_SUBDIR), verify=verify == "size")
             except VllmCallError as e:
                 raise RestoreError("wake_failed", str(e)) from e
             t = mark("reload_weights", t)
@@ -185,6 +201,6 @@ def restore(agent: Agent, ckpt: Path, *, require_verified: bool, mmap: bool) -> 
         if pre is not None:
             pre.cancel()
         if restored_root is not None:
-            agent.kill_vllm()
-        shm.remove(created_shm)
+            vllm.kill()
+        shm_files.remove(created_shm)
         raise

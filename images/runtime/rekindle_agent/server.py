@@ -10,14 +10,17 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import threading
 from typing import Any
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
+from rekindle_contract import api
 
-from rekindle_agent import api, checkpoint
-from rekindle_agent.agent import Agent, token_ok
+from rekindle_agent import checkpoint
+from rekindle_agent.agent import Agent
+from rekindle_agent.auth import token_ok
 
 log = logging.getLogger("rekindle.server")
 RETRY_AFTER_S = "2"
@@ -145,9 +148,7 @@ async def readyz(request: web.Request) -> web.Response:
 
 async def status(request: web.Request) -> web.Response:
     agent = request.app[AGENT_KEY]
-    data = agent.status.to_json()
-    data["inflight"] = request.app[PROXY_KEY].inflight
-    return web.json_response(data)
+    return web.json_response(agent.status_doc(request.app[PROXY_KEY].inflight))
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -202,7 +203,7 @@ async def post_checkpoint(request: web.Request) -> web.Response:
             man = await asyncio.to_thread(agent.run_checkpoint, target)
         except checkpoint.CheckpointError as e:
             return web.json_response(
-                {"error": str(e), "status": agent.status.to_json()}, status=500
+                {"error": str(e), "status": agent.status_doc(proxy.inflight)}, status=500
             )
         return web.json_response(man)
     finally:
@@ -229,26 +230,37 @@ def proxy_app(agent: Agent, proxy: Proxy) -> web.Application:
     return app
 
 
+def write_ports_file(path: str, ports: dict[str, int]) -> None:
+    """{"serve": N, "admin": M}, atomically: a reader sees the whole file or none."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(ports, f)
+    os.replace(tmp, path)
+
+
+async def listen(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Serve app on host:port; returns the runner and the port bound (port 0: the kernel's)."""
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner, int(runner.addresses[0][1])
+
+
 async def serve(agent: Agent, starter: threading.Thread, early_stop: threading.Event) -> None:
     """Serve HTTP while the flow started in starter (boot or restore) runs on."""
     cfg = agent.cfg
     proxy = Proxy(agent)
-    runners = []
-    for app, port in (
-        (admin_app(agent, proxy), cfg.admin_port),
-        (proxy_app(agent, proxy), cfg.serve_port),
-    ):
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, cfg.bind_host, port).start()
-        runners.append(runner)
+    admin, admin_port = await listen(admin_app(agent, proxy), cfg.bind_host, cfg.admin_port)
+    serving, serve_port = await listen(proxy_app(agent, proxy), cfg.bind_host, cfg.serve_port)
+    if cfg.ports_file:
+        write_ports_file(cfg.ports_file, {"serve": serve_port, "admin": admin_port})
     log.info(
-        "agent: admin on %s:%d, OpenAI proxy on %s:%d, vLLM on 127.0.0.1:%d",
+        "agent: admin on %s:%d, OpenAI proxy on %s:%d, vLLM on %s",
         cfg.bind_host,
-        cfg.admin_port,
+        admin_port,
         cfg.bind_host,
-        cfg.serve_port,
-        cfg.vllm_port,
+        serve_port,
+        agent.vllm_url,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -262,7 +274,7 @@ async def serve(agent: Agent, starter: threading.Thread, early_stop: threading.E
     agent.stopping = True
     with contextlib.suppress(Exception):
         await proxy.close_connections()
-    for runner in runners:
+    for runner in (admin, serving):
         await runner.cleanup()
     # A boot or restore still running is cut short by killing vLLM's tree.
     await asyncio.to_thread(agent.shutdown)

@@ -7,10 +7,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from rekindle_contract import api
+from rekindle_contract.api import STATES, LastCheckpoint, Origin, State, StatusDoc
 
 # Allowed transitions; anything else is a bug in the agent, not a user error.
-TRANSITIONS: dict[str, set[str]] = {
+TRANSITIONS: dict[State, set[State]] = {
     "Booting": {"Ready", "Failed", "Booting", "Restoring"},  # Booting is also the start state
     "Restoring": {"Ready", "Booting", "Failed"},
     "Ready": {"Draining", "Failed", "Booting"},
@@ -24,37 +24,42 @@ class TransitionError(RuntimeError):
     pass
 
 
-def check_transition(old: str, new: str) -> None:
+def check_transition(old: State, new: State) -> None:
     if new not in TRANSITIONS.get(old, set()):
         raise TransitionError(f"agent state {old} -> {new} is not allowed")
 
 
 @dataclass
 class Status:
-    state: str = "Booting"
-    origin: str = "none"  # booted | restored
+    state: State = "Booting"
+    origin: Origin = "none"
     restored_with_mmap: bool = False
     checkpoint: str | None = None  # the checkpoint the running vLLM came from
     message: str = ""
     started_at: float = field(default_factory=time.time)
+    # Wall clock of the last transition to Ready: ready_at - started_at is the
+    # pod's cold start as the agent saw it (the operator's bench reports it).
+    ready_at: float | None = None
     timings: dict[str, dict[str, float]] = field(default_factory=dict)  # boot/restore/checkpoint
     last_fallback: dict[str, Any] | None = None
-    last_checkpoint: dict[str, Any] | None = None
-    weights_rpc: str = "unknown"  # available | unavailable (reason)
-    vllm_pid: int | None = None
+    last_checkpoint: LastCheckpoint | None = None
+    weights_rpc: str = "unknown"  # available | unavailable
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def set_state(self, new: str, message: str = "") -> None:
+    def set_state(self, new: State, message: str = "") -> None:
         with self._lock:
             check_transition(self.state, new)
             self.state = new
             self.message = message
+            if new == "Ready":
+                self.ready_at = time.time()
 
     def record_fallback(self, reason: str, message: str) -> None:
         with self._lock:
             self.last_fallback = {"reason": reason, "message": message, "at": time.time()}
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, vllm_pid: int | None = None, inflight: int = 0) -> StatusDoc:
+        """The status document, with what the caller owns: vLLM's root PID, the proxy's count."""
         with self._lock:
             return {
                 "state": self.state,
@@ -64,10 +69,12 @@ class Status:
                 "checkpoint": self.checkpoint,
                 "message": self.message,
                 "started_at": self.started_at,
+                "ready_at": self.ready_at,
                 "timings": {k: dict(v) for k, v in self.timings.items()},
                 "last_fallback": self.last_fallback,
                 "last_checkpoint": self.last_checkpoint,
                 "weights_rpc": self.weights_rpc,
-                "vllm_pid": self.vllm_pid,
-                "states": list(api.STATES),
+                "vllm_pid": vllm_pid,
+                "inflight": inflight,
+                "states": list(STATES),
             }

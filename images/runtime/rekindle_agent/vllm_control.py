@@ -1,12 +1,14 @@
 """Talking to a running vLLM: release memory before a dump, wake and reload after a restore.
 
-CPU: vLLM has no sleep mode there (`/sleep` and `/wake_up` are no-ops), so the
-weights extension does the work over `/collective_rpc`:
+CPU: vLLM has no sleep mode there (`/sleep` and `/wake_up` do nothing), so
+Rekindle's worker extension does the work over `/collective_rpc`:
   checkpoint  rekindle_dump_weights(dir) once, then rekindle_release_weights()
   restore     rekindle_reload_weights(dir), POST /reset_prefix_cache
-GPU (vLLM's documented level-2 sleep; vllm-facts.md §1):
-  checkpoint  rekindle_dump_weights(dir), then POST /sleep?level=2 (weights and
-              KV cache dropped from the GPU; cuda-checkpoint then moves what is left)
+GPU: vLLM's level-2 sleep discards the weights and the KV cache from the GPU
+but keeps their virtual address ranges reserved; waking up a tag maps fresh
+memory back at the same addresses, with undefined content:
+  checkpoint  rekindle_dump_weights(dir), then POST /sleep?level=2 (cuda-checkpoint
+              then moves what is left of device memory into the image)
   restore     POST /wake_up?tags=weights, rekindle_reload_weights(dir),
               POST /wake_up?tags=kv_cache, POST /reset_prefix_cache
 The reload replaces vLLM's `reload_weights` (which re-reads the original model
@@ -19,12 +21,11 @@ import json
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-DUMP = "rekindle_dump_weights"
-RELEASE = "rekindle_release_weights"
-RELOAD = "rekindle_reload_weights"
+from rekindle_contract.rpc import DUMP_WEIGHTS, RELEASE_WEIGHTS, RELOAD_WEIGHTS
 
 
 class VllmCallError(RuntimeError):
@@ -70,13 +71,13 @@ class VllmControl:
         """Dump the weights once, then free weights and KV cache; phase seconds."""
         t = {}
         t0 = time.monotonic()
-        self.rpc(DUMP, weights_dir)
+        self.rpc(DUMP_WEIGHTS, weights_dir)
         t["dump_weights"] = time.monotonic() - t0
         t0 = time.monotonic()
         if self.device == "cuda":
             self._post("/sleep?level=2")
         else:
-            self.rpc(RELEASE)
+            self.rpc(RELEASE_WEIGHTS)
         t["release"] = time.monotonic() - t0
         return t
 
@@ -93,14 +94,18 @@ class VllmControl:
         if self.device == "cuda":
             self._post("/wake_up?tags=weights")
         if verify:
-            self.rpc(RELOAD, weights_dir)
+            self.rpc(RELOAD_WEIGHTS, weights_dir)
         else:
-            self.rpc(RELOAD, weights_dir, verify=False)
+            self.rpc(RELOAD_WEIGHTS, weights_dir, verify=False)
         if self.device == "cuda":
             self._post("/wake_up?tags=kv_cache")
         self._post("/reset_prefix_cache")
         t["reload_weights"] = time.monotonic() - t0
         return t
+
+    def wait_health(self, timeout: float, alive: Callable[[], bool] | None = None) -> float:
+        """Seconds until vLLM's /health answered 200 (see wait_health)."""
+        return wait_health(self.base_url, timeout, alive)
 
     def complete_one(self, model: str, prompt: str = "Hello") -> str:
         """One greedy token: proof that the engine, its workers and the weights all work."""
@@ -111,7 +116,7 @@ class VllmControl:
         return str(out["choices"][0]["text"])
 
 
-def wait_health(base_url: str, timeout: float, alive: Any = None) -> float:
+def wait_health(base_url: str, timeout: float, alive: Callable[[], bool] | None = None) -> float:
     """Poll /health until 200; returns seconds waited. alive(): False aborts early."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:

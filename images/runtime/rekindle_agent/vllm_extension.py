@@ -1,13 +1,15 @@
 """Rekindle's vLLM worker extension: dump, release and reload weights over collective_rpc.
 
 Start vLLM with `--worker-extension-cls
-rekindle_agent.vllm_extension.RekindleWorkerExtension` (vllm_server.py does)
-and `VLLM_SERVER_DEV_MODE=1`; then `POST /collective_rpc` with
+rekindle_agent.vllm_extension.RekindleWorkerExtension` (rekindle_contract.rpc's
+WORKER_EXTENSION; the agent's vLLM command line has it) and
+`VLLM_SERVER_DEV_MODE=1`; then `POST /collective_rpc` with
 `{"method": M, "args": [...], "kwargs": {...}}` answers `{"results": [one per worker]}`.
-Every method returns a JSON-serializable dict. The interface (agreed with the agent):
+Every method returns a JSON-serializable dict. The interface (names in
+rekindle_contract.rpc):
 
 - `rekindle_dump_weights(dir) -> {"rank", "bytes", "seconds", "tensors", ...}`
-  writes `dir/weights-rank{R}.bin` and `dir/weights-rank{R}.json` (format.py):
+  writes `dir/weights-rank{R}.bin` and `dir/weights-rank{R}.json` (rekindle_weights.format):
   every parameter and buffer exactly as it sits in the loaded model.
 - `rekindle_release_weights() -> {"rank", "freed_bytes", ...}` drops the weights'
   and the KV cache's memory. On CPU this is real work (vLLM's sleep is a no-op
@@ -22,7 +24,7 @@ Every method returns a JSON-serializable dict. The interface (agreed with the ag
   /wake_up?tags=weights`). The caller then calls `POST /reset_prefix_cache`
   (the KV cache's content is gone) and, on GPU, `POST /wake_up?tags=kv_cache`.
 - `rekindle_weights_digest() -> {name: checksum}`: per-tensor block CRC-32s
-  (format.py), to prove a round trip bit-exact.
+  (rekindle_weights.format), to prove a round trip bit-exact.
 - `rekindle_worker_info() -> {"rank", "pid", "rss_bytes", "released"}`.
 - `rekindle_time_vllm_reload() -> {"rank", "seconds"}`: vLLM's `reload_weights`
   timed in the worker (the benchmark's baseline).

@@ -14,15 +14,6 @@ def dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
-def dtype_from_name(name: str) -> torch.dtype:
-    import torch
-
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise ValueError(f"unknown torch dtype {name!r}")
-    return dt
-
-
 def nbytes(t: torch.Tensor) -> int:
     return int(t.numel()) * int(t.element_size())
 

@@ -1,0 +1,68 @@
+"""`rekindle agent ...`: the in-pod agent, PID 1 of Rekindle's runtime container.
+
+Also runs as `python -m rekindle_agent.cli agent ...` (the test harness does).
+Order matters for a fast restore: the prefetch starts first, the restore flow
+next, and only then the HTTP side (aiohttp takes about a second to import),
+so the heavy modules are imported inside run_agent, after the early start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from rekindle_agent import config
+from rekindle_agent.auth import read_token
+from rekindle_agent.early import EarlyStart
+
+
+def run_agent(ns: argparse.Namespace) -> int:
+    try:
+        cfg = config.from_args(ns)
+    except config.ConfigError as e:
+        print(f"rekindle agent: {e}", file=sys.stderr)
+        return 2
+    early = EarlyStart()
+    early.begin(cfg)
+    early_stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: early_stop.set())
+    from rekindle_agent.agent import Agent, setup_logging
+
+    setup_logging()
+    Path(cfg.run_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        agent = Agent(cfg, read_token(cfg.token_file), early)
+    except config.ConfigError as e:
+        print(f"rekindle agent: {e}", file=sys.stderr)
+        return 2
+    starter = threading.Thread(target=agent.start, name="start", daemon=True)
+    starter.start()
+    from rekindle_agent.server import run
+
+    return run(agent, starter, early_stop)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rekindle", description="Rekindle's in-pod agent")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    agent = sub.add_parser(
+        "agent",
+        help="run the in-pod agent: boot or restore vLLM, checkpoint it",
+        description="Flags override the --config file, which overrides the environment.",
+    )
+    config.add_arguments(agent)
+    agent.set_defaults(func=run_agent)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    return int(ns.func(ns))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Rekindle's developer tools: the tiny model, benchmarks, the test harness (never shipped)."""

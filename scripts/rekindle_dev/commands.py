@@ -1,0 +1,62 @@
+"""`rekindle-dev`: the developer's command line (never shipped in an image).
+
+  rekindle-dev model tiny --out DIR     generate the project's tiny model
+  rekindle-dev bench local ...          naive boot vs CRIU restore on this machine
+  rekindle-dev bench weights ...        weight reload throughput
+
+Each benchmark module exposes add_arguments() and run(); only this module
+builds the command tree, so no benchmark imports the command line back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from rekindle_dev import bench_local, bench_weights
+
+
+def _cmd_model_tiny(args: argparse.Namespace) -> int:
+    from rekindle_dev.models import TinyModelSpec, generate_tiny_model
+
+    out = generate_tiny_model(Path(args.out), TinyModelSpec(seed=args.seed))
+    print(out)
+    return 0
+
+
+def _add_model(sub: argparse._SubParsersAction) -> None:
+    model = sub.add_parser("model", help="generate the embedded models")
+    msub = model.add_subparsers(dest="model_cmd", required=True)
+    tiny = msub.add_parser("tiny", help="a seeded random-weight Llama with its own tokenizer")
+    tiny.add_argument("--out", required=True, help="directory to write the model into")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(func=_cmd_model_tiny)
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="benchmarks on this machine")
+    bsub = bench.add_subparsers(dest="bench_cmd", required=True)
+    local = bsub.add_parser("local", help="naive boot vs CRIU restore, launch to first token")
+    bench_local.add_arguments(local)
+    local.set_defaults(func=bench_local.run)
+    weights = bsub.add_parser("weights", help="weight reload throughput vs page cache, loaders")
+    bench_weights.add_arguments(weights)
+    weights.set_defaults(func=bench_weights.run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rekindle-dev", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    _add_model(sub)
+    _add_bench(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

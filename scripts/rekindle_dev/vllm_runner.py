@@ -4,7 +4,7 @@ Started with the agent's own command line and environment (the contract's
 vllm_argv, the agent's vllm_env), without the agent, in its own session so the
 whole tree (API server, engine core, workers) is killed as one process group.
 vLLM's workers import the extension by name: they run this interpreter, which
-has the project installed, so nothing needs PYTHONPATH.
+has the project installed, so no import path is set in the environment.
 """
 
 from __future__ import annotations

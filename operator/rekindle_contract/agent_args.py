@@ -18,7 +18,10 @@ from rekindle_contract.pod import RUN_DIR, TOKEN_FILE
 AGENT_COMMAND = ("rekindle", "agent")
 
 MMAP_MODES = ("auto", "on", "off")
-VERIFY_MODES = ("crc32", "sha256", "size")
+# blake3 (the default) is the one check that also authenticates: with a signing
+# key the manifest is signed and its BLAKE3 digests bind every byte; crc32 and
+# size only catch damage, and the agent refuses them when a signing key is set.
+VERIFY_MODES = ("blake3", "crc32", "sha256", "size")
 DEVICES = ("cpu", "cuda")
 
 
@@ -68,13 +71,42 @@ class AgentArgs:
     mmap_restore: str = _opt("zero-copy restore: auto, on or off", MMAP_MODES, default="auto")
     prefetch: bool = _opt("read the checkpoint into the page cache while restoring", default=True)
     prefetch_threads: int = _opt("prefetch reader threads", default=8)
-    verify_checksums: str = _opt("content check on restore", VERIFY_MODES, default="crc32")
+    verify_checksums: str = _opt("content check on restore", VERIFY_MODES, default="blake3")
     drain_timeout: float = _opt("seconds to wait for in-flight requests", default=30.0)
     boot_timeout: float = _opt("seconds a normal boot may take", default=900.0)
     restore_timeout: float = _opt("seconds CRIU's restore may take", default=300.0)
     seccomp_io_uring: bool = _opt("refuse io_uring to vLLM (CRIU cannot dump it)", default=True)
     ns_last_pid: int = _opt("PID floor for vLLM's tree when the agent is PID 1", default=10000)
     clear_shm: bool = _opt("remove stale /dev/shm files at start (as PID 1)", default=True)
+    # Security and bounds (docs/security.md). Added after the fields above, so
+    # an older argv means what it meant.
+    api_key_file: str | None = _opt(
+        "file with the API key every request on the serve port must send as "
+        "'Authorization: Bearer KEY' (a mounted Secret); unset: no key",
+        default=None,
+    )
+    signing_key_file: str | None = _opt(
+        "file with the key (>= 32 bytes, a mounted Secret, one per InferenceService) that "
+        "signs checkpoint manifests (HMAC-SHA256); a restore refuses a manifest it did not "
+        "sign. Unset: checkpoints are unsigned",
+        default=None,
+    )
+    dump_timeout: float = _opt("seconds CRIU's dump may take", default=600.0)
+    checkpoint_timeout: float = _opt(
+        "watchdog: seconds a whole checkpoint (drain, dump, proving restore) may take "
+        "before the agent gives up and turns Failed",
+        default=1800.0,
+    )
+    prefetch_timeout: float = _opt(
+        "seconds a restore waits for the prefetch (and its content check)", default=600.0
+    )
+    proxy_timeout: float = _opt(
+        "seconds the serve port's proxy waits for vLLM to send anything", default=600.0
+    )
+    proxy_max_body_mb: int = _opt("largest request body the serve port accepts, MiB", default=32)
+    proxy_max_concurrency: int = _opt(
+        "requests the serve port forwards at once; more get 429 with Retry-After", default=256
+    )
     vllm_args: list[str] = field(default_factory=list, metadata={"help": "vLLM flags after --"})
 
 

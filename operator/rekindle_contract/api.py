@@ -3,10 +3,12 @@
 Standard library only: the operator imports it (no aiohttp, torch or vLLM).
 
 Ports (all TCP, in the pod):
-  SERVE_PORT (8000)  the OpenAI API, as a reverse proxy in front of vLLM. No
-                     agent token: vLLM's own --api-key applies if the user set one.
-                     While the agent drains or checkpoints, new requests get
-                     503 with Retry-After (retryable).
+  SERVE_PORT (8000)  the OpenAI API, as a reverse proxy in front of vLLM: only
+                     the routes in SERVE_ROUTES (vLLM's control endpoints never
+                     reach it from here). No agent token; with the agent's
+                     --api-key-file every request needs `Authorization: Bearer
+                     <api key>`. While the agent drains or checkpoints, new
+                     requests get 503 with Retry-After (retryable).
   ADMIN_PORT (8081)  the agent's control API: /healthz and /readyz without a
                      token (kubelet probes cannot send one), everything else
                      (/v1/status, /v1/checkpoint, /metrics) needs
@@ -53,6 +55,57 @@ FALLBACK_REASONS = (
     "criu_restore_failed",
     "wake_failed",
     "verify_failed",
+    "signature_invalid",  # unsigned, altered, or signed with another service's key
+    "prefetch_timeout",  # the content check did not finish within --prefetch-timeout
+)
+
+# Why a checkpoint failed (status.last_checkpoint.reason). Whatever the reason,
+# the agent ends serving again (or Failed, for the watchdog) and the partial
+# checkpoint directory is removed.
+CHECKPOINT_FAILURE_REASONS = (
+    "drain_timeout",  # in-flight requests outlived --drain-timeout; nothing was touched
+    "io_uring",  # the tree holds an io_uring CRIU cannot dump
+    "release_failed",  # the weights could not be dumped or released
+    "volume_full",  # ENOSPC / EDQUOT on the checkpoint volume
+    "read_only",  # EROFS on the checkpoint volume
+    "io_error",  # any other OSError writing the checkpoint
+    "criu_failed",  # criu dump exited non-zero
+    "criu_timeout",  # criu dump outlived --dump-timeout (killed; vLLM booted again)
+    "verify_restore_failed",  # the proving restore did not serve
+    "unsupported",  # the tree holds something a restore would not recreate
+    "watchdog",  # the whole checkpoint outlived --checkpoint-timeout: agent Failed
+    "internal",  # anything else (a bug): still a defined end state
+)
+
+# The serve port forwards only these (method, path) routes to vLLM: its
+# OpenAI-compatible (and Anthropic-compatible) inference API, tokenization and
+# health. A path segment written `{id}` matches one segment of [A-Za-z0-9_.-].
+# Everything else (vLLM's /collective_rpc, /sleep, /wake_up, /reset_*,
+# /pause, /update_weights, LoRA loading, profiling, /metrics ...) gets 404 there:
+# only the agent reaches those, on 127.0.0.1.
+SERVE_ROUTES: tuple[tuple[str, str], ...] = (
+    ("GET", "/health"),
+    ("GET", "/version"),
+    ("GET", "/v1/models"),
+    ("POST", "/v1/completions"),
+    ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/embeddings"),
+    ("POST", "/v1/responses"),
+    ("GET", "/v1/responses/{id}"),
+    ("POST", "/v1/responses/{id}/cancel"),
+    ("POST", "/v1/audio/transcriptions"),
+    ("POST", "/v1/audio/translations"),
+    ("POST", "/v1/messages"),
+    ("POST", "/v1/messages/count_tokens"),
+    ("POST", "/v1/score"),
+    ("POST", "/v1/rerank"),
+    ("POST", "/v2/rerank"),
+    ("POST", "/score"),
+    ("POST", "/rerank"),
+    ("POST", "/pooling"),
+    ("POST", "/classify"),
+    ("POST", "/tokenize"),
+    ("POST", "/detokenize"),
 )
 
 
@@ -68,7 +121,17 @@ class LastCheckpoint(TypedDict, total=False):
     dir: str
     ok: bool
     error: str  # when not ok
+    reason: str  # when not ok: one of CHECKPOINT_FAILURE_REASONS
     timings: dict[str, float]  # seconds per phase, when ok
+
+
+class SecurityDoc(TypedDict):
+    """StatusDoc.security: what protects this agent's checkpoints and serve port."""
+
+    checkpoint_signing: str  # "hmac-sha256" (with a key id) or "unsigned"
+    signing_key_id: str | None  # a public tag of the key (not the key), to match services
+    verify: str  # the content check a restore runs (--verify-checksums)
+    serve_api_key: bool  # the serve port requires an API key
 
 
 class StatusDoc(TypedDict):
@@ -89,6 +152,7 @@ class StatusDoc(TypedDict):
     vllm_pid: int | None
     inflight: int
     states: list[str]
+    security: SecurityDoc
 
 
 @dataclass
@@ -106,6 +170,7 @@ class StatusReply:
     started_at: float | None = None
     ready_at: float | None = None
     last_checkpoint: LastCheckpoint | None = None
+    security: dict[str, Any] = field(default_factory=dict)
     raw: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -122,6 +187,7 @@ class StatusReply:
             started_at=data.get("started_at"),
             ready_at=data.get("ready_at"),
             last_checkpoint=data.get("last_checkpoint"),
+            security=dict(data.get("security") or {}),
             raw=data,
         )
 

@@ -15,13 +15,20 @@ IMAGES_SUBDIR = "images"  # CRIU's image files
 SHM_SUBDIR = "shm"  # copies of the /dev/shm files the tree maps
 FILES_SUBDIR = "files"  # other files the tree holds open (vLLM's log, link-remaps)
 WEIGHTS_SUBDIR = "weights"  # the flat weight dump
+# The only places a manifest's files may live (first path component).
+SUBDIRS = (IMAGES_SUBDIR, SHM_SUBDIR, FILES_SUBDIR, WEIGHTS_SUBDIR)
+SIGNATURE_KEY = "signature"  # the manifest's own key holding its signature
+SIGNATURE_ALGORITHM = "hmac-sha256"
 
 
 class FileEntry(TypedDict):
     path: str  # relative to the checkpoint directory
     size: int
-    sha256: str
-    crc32: NotRequired[str]  # 8 hex digits; the fast check a restore uses by default
+    # Digests, hex: blake3 in what agents write now (sha256 where the blake3
+    # module is missing); sha256 and crc32 in older manifests.
+    blake3: NotRequired[str]
+    sha256: NotRequired[str]
+    crc32: NotRequired[str]
 
 
 class Manifest(TypedDict, total=False):
@@ -40,3 +47,7 @@ class Manifest(TypedDict, total=False):
     files: list[FileEntry]
     timings: dict[str, float]  # seconds per checkpoint phase
     verified: dict[str, Any]  # set once a restore from it served
+    # HMAC-SHA256 over the canonical JSON of every other key, with the
+    # InferenceService's signing key: {"algorithm", "key_id", "value"}; absent
+    # when the agent had no key (an unsigned checkpoint).
+    signature: dict[str, Any]

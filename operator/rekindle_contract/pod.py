@@ -8,6 +8,26 @@ TOKEN_KEY = "token"
 TOKEN_FILE = f"{TOKEN_DIR}/{TOKEN_KEY}"
 TOKEN_ENV = "REKINDLE_AGENT_TOKEN_FILE"
 
+# The key that signs checkpoint manifests (HMAC-SHA256), one per
+# InferenceService: a key of the same Secret as the token is the natural home
+# (mounted at SIGNING_KEY_FILE); the agent reads it with --signing-key-file or
+# SIGNING_KEY_ENV. Unset: checkpoints are unsigned (the agent says so in status).
+SIGNING_KEY_KEY = "signing-key"
+SIGNING_KEY_FILE = f"{TOKEN_DIR}/{SIGNING_KEY_KEY}"
+SIGNING_KEY_ENV = "REKINDLE_SIGNING_KEY_FILE"
+
+# The API key clients send on the serve port (the user's Secret), mounted at
+# API_KEY_FILE; the agent reads it with --api-key-file or API_KEY_ENV.
+API_KEY_DIR = "/var/run/rekindle-api-key"
+API_KEY_KEY = "api-key"
+API_KEY_FILE = f"{API_KEY_DIR}/{API_KEY_KEY}"
+API_KEY_ENV = "REKINDLE_API_KEY_FILE"
+
+# The runtime image's reference (the operator sets it from the container's
+# image): part of a checkpoint's fingerprint, so a restore never runs a tree
+# dumped from one image on top of another image's files.
+IMAGE_ENV = "REKINDLE_IMAGE"
+
 # Which CRIU binary the agent runs (the runtime image sets it to the patched one).
 CRIU_ENV = "REKINDLE_CRIU"
 

@@ -13,9 +13,17 @@ from typing import Any
 
 from rekindle_contract.api import ADMIN_PORT, PATH_HEALTHZ, PATH_READYZ, SERVE_PORT
 from rekindle_contract.pod import (
+    API_KEY_DIR,
+    API_KEY_ENV,
+    API_KEY_FILE,
+    API_KEY_KEY,
     CHECKPOINT_ENV,
     CHECKPOINT_MOUNT,
+    IMAGE_ENV,
     LOOPBACK_ENV,
+    SIGNING_KEY_ENV,
+    SIGNING_KEY_FILE,
+    SIGNING_KEY_KEY,
     TOKEN_DIR,
     TOKEN_KEY,
 )
@@ -51,6 +59,10 @@ def service_name(isvc: str) -> str:
 
 def secret_name(isvc: str) -> str:
     return f"{isvc}-agent-token"
+
+
+def signing_secret_name(isvc: str) -> str:
+    return f"{isvc}-signing-key"
 
 
 def configmap_name(isvc: str) -> str:
@@ -110,6 +122,26 @@ def build_secret(spec: IsvcSpec, owner: Mapping[str, Any] | None = None, token: 
     }
 
 
+def build_signing_secret(
+    spec: IsvcSpec, owner: Mapping[str, Any] | None = None, key: str = ""
+) -> Obj:
+    """The key that signs this InferenceService's checkpoint manifests (HMAC-SHA256).
+
+    One per InferenceService, generated once like the token: a restore refuses a
+    manifest this key did not sign, so a checkpoint written by (or for) another
+    InferenceService, or altered on the volume, is never restored here. A
+    Secret of its own, so the operator needs no patch right on Secrets.
+    """
+    key = key or secrets.token_urlsafe(48)  # 64 characters, well above the 32-byte minimum
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(spec, signing_secret_name(spec.name), owner, "signing-key"),
+        "type": "Opaque",
+        "data": {SIGNING_KEY_KEY: base64.b64encode(key.encode()).decode()},
+    }
+
+
 def build_configmap(
     spec: IsvcSpec, checkpoint_path: str, owner: Mapping[str, Any] | None = None
 ) -> Obj:
@@ -165,6 +197,58 @@ def build_service(spec: IsvcSpec, owner: Mapping[str, Any] | None = None) -> Obj
     }
 
 
+def network_policy_name(isvc: str) -> str:
+    return f"{isvc}-agent"
+
+
+def build_network_policy(
+    spec: IsvcSpec,
+    operator_namespace: str,
+    operator_labels: Mapping[str, str],
+    owner: Mapping[str, Any] | None = None,
+) -> Obj:
+    """Ingress to the pods: the OpenAI port from anywhere, the agent's admin port only
+    from the operator's pods (its bearer token is the other half of that protection).
+
+    Kubelet probes come from the node; NetworkPolicy implementations let a
+    node reach its own pods, so /readyz and /healthz keep working.
+    """
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(spec, network_policy_name(spec.name), owner, "network-policy"),
+        "spec": {
+            "podSelector": {"matchLabels": selector_labels(spec.name)},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"ports": [{"port": "http", "protocol": "TCP"}]},
+                {
+                    "from": [
+                        {
+                            "namespaceSelector": {
+                                "matchLabels": {"kubernetes.io/metadata.name": operator_namespace}
+                            },
+                            "podSelector": {"matchLabels": dict(operator_labels)},
+                        }
+                    ],
+                    "ports": [{"port": "admin", "protocol": "TCP"}],
+                },
+            ],
+        },
+    }
+
+
+def storage_subpath(namespace: str, isvc: str) -> str:
+    """The directory of one InferenceService's checkpoints inside the checkpoint volume.
+
+    Pods mount only this directory (a subPath), so InferenceServices that
+    share a volume (every hostPath one on a node, by default) never see each
+    other's checkpoints: namespace and name are both DNS labels, so the path
+    is unique and has no `..`.
+    """
+    return f"{namespace}/{isvc}"
+
+
 def checkpoint_volume(spec: IsvcSpec) -> Obj:
     if spec.storage.type == "hostPath":
         return {
@@ -188,6 +272,16 @@ def build_pod_template(spec: IsvcSpec, shm_bytes: int, fingerprint: str) -> Obj:
     user = dict(spec.env)
     env: list[Obj] = [{"name": k, "value": v} for k, v in LOOPBACK_ENV.items() if k not in user]
     env += [{"name": k, "value": v} for k, v in spec.env]
+    # Set by the operator (spec.env may not name them: spec.MANAGED_ENV). The
+    # agent reads them as it reads its flags; env is understood by every agent
+    # version, where a flag an older agent lacks would stop it.
+    env += [
+        # Part of a checkpoint's fingerprint: never restore one image's tree on another's files.
+        {"name": IMAGE_ENV, "value": spec.image},
+        {"name": SIGNING_KEY_ENV, "value": SIGNING_KEY_FILE},
+    ]
+    if spec.api_key_secret:
+        env.append({"name": API_KEY_ENV, "value": API_KEY_FILE})
     env.append(
         {
             "name": CHECKPOINT_ENV,
@@ -232,10 +326,23 @@ def build_pod_template(spec: IsvcSpec, shm_bytes: int, fingerprint: str) -> Obj:
         },
         "volumeMounts": [
             {"name": "dshm", "mountPath": "/dev/shm"},
+            # The agent's token and signing key, read-only, readable by root only.
             {"name": "agent-token", "mountPath": TOKEN_DIR, "readOnly": True},
-            {"name": "checkpoints", "mountPath": CHECKPOINT_MOUNT},
+            # Only this InferenceService's directory of the shared volume. Writable:
+            # any serving replica may be the one picked to checkpoint, and the
+            # agent writes and verifies a checkpoint at the same path new replicas
+            # restore it from (docs/security.md, "Checkpoint storage").
+            {
+                "name": "checkpoints",
+                "mountPath": CHECKPOINT_MOUNT,
+                "subPath": storage_subpath(spec.namespace, spec.name),
+            },
         ],
     }
+    if spec.api_key_secret:
+        container["volumeMounts"].append(
+            {"name": "api-key", "mountPath": API_KEY_DIR, "readOnly": True}
+        )
     return {
         "metadata": {
             "labels": {
@@ -248,18 +355,53 @@ def build_pod_template(spec: IsvcSpec, shm_bytes: int, fingerprint: str) -> Obj:
         },
         "spec": {
             "containers": [container],
+            # vLLM and the agent never call the Kubernetes API: no token in the pod.
+            "automountServiceAccountToken": False,
             "terminationGracePeriodSeconds": 30,
             "enableServiceLinks": False,
             "volumes": [
                 {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": mib_str(shm_bytes)}},
                 {
                     "name": "agent-token",
-                    "secret": {"secretName": secret_name(spec.name), "defaultMode": 0o400},
+                    "projected": {
+                        "defaultMode": 0o400,
+                        "sources": [
+                            {
+                                "secret": {
+                                    "name": secret_name(spec.name),
+                                    "items": [{"key": TOKEN_KEY, "path": TOKEN_KEY}],
+                                }
+                            },
+                            {
+                                "secret": {
+                                    "name": signing_secret_name(spec.name),
+                                    "items": [{"key": SIGNING_KEY_KEY, "path": SIGNING_KEY_KEY}],
+                                }
+                            },
+                        ],
+                    },
                 },
                 checkpoint_volume(spec),
+                *_api_key_volumes(spec),
             ],
         },
     }
+
+
+def _api_key_volumes(spec: IsvcSpec) -> list[Obj]:
+    if not spec.api_key_secret:
+        return []
+    name, key = spec.api_key_secret
+    return [
+        {
+            "name": "api-key",
+            "secret": {
+                "secretName": name,
+                "items": [{"key": key, "path": API_KEY_KEY}],
+                "defaultMode": 0o400,
+            },
+        }
+    ]
 
 
 def build_deployment(
@@ -284,56 +426,91 @@ def build_deployment(
     }
 
 
+def cleanup_job_name(checkpoint: str, uid: str) -> str:
+    """Unique per Checkpoint object: a re-created Checkpoint of the same name gets its own Job."""
+    return f"rm-{checkpoint[:50].rstrip('-')}-{uid[:8]}"
+
+
 def build_cleanup_job(
     namespace: str,
     checkpoint: str,
+    uid: str,
     path: str,
     volume: Mapping[str, Any],
     image: str,
     pull_policy: str = "IfNotPresent",
+    sub_path: str = "",
+    node: str = "",
 ) -> Obj:
     """A Job that deletes one checkpoint's data (deletionPolicy Delete).
 
     The operator does not mount the storage itself; the runtime image (already
-    on the node) does the rm, so no other image is needed. volume and image
-    are recorded in the Checkpoint's status, so this works after the
-    InferenceService is gone too.
+    on the node) does the rm, so no other image is needed. volume, subPath,
+    node and image are recorded in the Checkpoint's status, so this works
+    after the InferenceService is gone too. A hostPath volume is a directory
+    of one node: the Job runs on the node the checkpointed pod ran on.
     """
     if not path.startswith(CHECKPOINT_MOUNT + "/") or ".." in path.split("/"):
         raise ValueError(f"refusing to delete {path!r}: not below {CHECKPOINT_MOUNT}")
+    if ".." in sub_path.split("/") or sub_path.startswith("/"):
+        raise ValueError(f"refusing subPath {sub_path!r}")
+    mount: Obj = {"name": "checkpoints", "mountPath": CHECKPOINT_MOUNT}
+    if sub_path:
+        mount["subPath"] = sub_path
+    pod_spec: Obj = {
+        "restartPolicy": "Never",
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "containers": [
+            {
+                "name": "rm",
+                "image": image,
+                "imagePullPolicy": pull_policy,
+                "command": ["rm", "-rf", "--one-file-system", path],
+                "securityContext": {"allowPrivilegeEscalation": False, "privileged": False},
+                "volumeMounts": [mount],
+            }
+        ],
+        "volumes": [{**volume, "name": "checkpoints"}],
+    }
+    if "hostPath" in volume and node:
+        pod_spec["affinity"] = {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        {
+                            "matchFields": [
+                                {"key": "metadata.name", "operator": "In", "values": [node]}
+                            ]
+                        }
+                    ]
+                }
+            }
+        }
+        # The node may be cordoned or tainted: the data is there, so go there.
+        pod_spec["tolerations"] = [{"operator": "Exists"}]
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
         "metadata": {
-            "name": f"rm-{checkpoint}"[:63].rstrip("-"),
+            "name": cleanup_job_name(checkpoint, uid),
             "namespace": namespace,
             "labels": {COMPONENT_LABEL: "cleanup", MANAGED_BY_LABEL: MANAGED_BY},
+            "annotations": {"rekindle.dev/checkpoint": checkpoint},
         },
         "spec": {
             "backoffLimit": 2,
             "ttlSecondsAfterFinished": 300,
-            "template": {
-                "metadata": {"labels": {COMPONENT_LABEL: "cleanup"}},
-                "spec": {
-                    "restartPolicy": "Never",
-                    "containers": [
-                        {
-                            "name": "rm",
-                            "image": image,
-                            "imagePullPolicy": pull_policy,
-                            "command": ["rm", "-rf", "--one-file-system", path],
-                            "volumeMounts": [
-                                {"name": "checkpoints", "mountPath": CHECKPOINT_MOUNT}
-                            ],
-                        }
-                    ],
-                    "volumes": [{**volume, "name": "checkpoints"}],
-                },
-            },
+            "activeDeadlineSeconds": 600,
+            "template": {"metadata": {"labels": {COMPONENT_LABEL: "cleanup"}}, "spec": pod_spec},
         },
     }
 
 
-def checkpoint_path(isvc: str, checkpoint: str, uid: str) -> str:
-    """A fresh directory per Checkpoint object (content is immutable once written)."""
-    return f"{CHECKPOINT_MOUNT}/{isvc}/{checkpoint}-{uid[:8]}"
+def checkpoint_path(checkpoint: str, uid: str) -> str:
+    """A fresh directory per Checkpoint object (content is immutable once written).
+
+    The path inside the pod, below the InferenceService's own subPath of the
+    volume (storage_subpath): on the volume it is NAMESPACE/ISVC/NAME-UID8.
+    """
+    return f"{CHECKPOINT_MOUNT}/{checkpoint}-{uid[:8]}"

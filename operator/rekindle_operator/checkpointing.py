@@ -23,9 +23,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from rekindle_contract.api import StatusReply
+from rekindle_contract.pod import CHECKPOINT_MOUNT
 
 from rekindle_operator import builders as b
 from rekindle_operator.constants import (
+    ANN_BOOT_PATH,
+    ANN_FINGERPRINT,
+    ANN_RESTORED_FROM,
     CKPT_FAILED,
     CKPT_KIND,
     CKPT_PENDING,
@@ -37,8 +41,15 @@ from rekindle_operator.constants import (
 from rekindle_operator.kube import Kube, KubeError
 from rekindle_operator.pods import BUSY_STATES, Agents, CheckpointCall, read_token
 from rekindle_operator.quantity import human_bytes
-from rekindle_operator.reconcile import Emit, spec_of, update_pointer
+from rekindle_operator.reconcile import (
+    Emit,
+    mapped_checkpoints,
+    spec_of,
+    update_pointer,
+    with_mapped,
+)
 from rekindle_operator.selection import ready_pods
+from rekindle_operator.settings import Settings, from_env, image_allowed
 from rekindle_operator.spec_fingerprint import spec_fingerprint
 from rekindle_operator.status import now_iso, parse_time
 
@@ -93,24 +104,29 @@ def _start(kube: Kube, body: Body, emit: Emit, agents: Agents) -> Status:
         )
     _adopt(kube, body, isvc)
     isvc_spec = spec_of(isvc)
-    candidates = ready_pods(kube.list("Pod", ns, b.selector_string(isvc_name)), spec.get("pod"))
+    fingerprint = spec_fingerprint(isvc_spec)
+    ready = ready_pods(kube.list("Pod", ns, b.selector_string(isvc_name)), spec.get("pod"))
+    candidates, skipped = current_spec_pods(ready, fingerprint)
     token = read_token(kube, ns, isvc_name) if candidates else ""
-    pod, skipped = _checkpointable(candidates, token, agents)
+    pod, not_ready = _checkpointable(candidates, token, agents)
     if pod is None:
-        return _wait_for_pod(kube, body, emit, isvc_name, skipped)
+        return _wait_for_pod(kube, body, emit, isvc_name, skipped + not_ready)
 
     pod_name = pod["metadata"]["name"]
-    path = b.checkpoint_path(isvc_name, meta["name"], meta["uid"])
+    path = b.checkpoint_path(meta["name"], meta["uid"])
     running = {
         "phase": CKPT_RUNNING,
         "reason": "Checkpointing",
         "message": f"pod {pod_name} is out of rotation while its agent checkpoints",
         "pod": pod_name,
         "path": path,
-        "fingerprint": spec_fingerprint(isvc_spec),
+        # The pod runs this spec (current_spec_pods), so the data matches it.
+        "fingerprint": fingerprint,
         "startedAt": now_iso(),
         # What deleting the data needs, even once the InferenceService is gone.
         "volume": b.checkpoint_volume(isvc_spec),
+        "subPath": b.storage_subpath(ns, isvc_name),
+        "node": (pod.get("spec") or {}).get("nodeName", ""),
         "image": isvc_spec.image,
         "imagePullPolicy": isvc_spec.image_pull_policy,
     }
@@ -161,6 +177,10 @@ def _ask_agent(
 def _record(kube: Kube, body: Body, emit: Emit, call: CheckpointCall) -> Status:
     status = body.get("status") or {}
     set_serving(kube, body["metadata"]["namespace"], call.pod, True)
+    if call.manifest is not None and call.error is None:
+        # The agent verified the checkpoint by restoring it in this pod: its
+        # memory now maps the new files, so they are kept while the pod lives.
+        mark_mapped(kube, body["metadata"]["namespace"], call.pod, call.path)
     if call.error is not None or call.manifest is None:
         return _fail(
             kube,
@@ -205,6 +225,7 @@ def _recover(
     set_serving(kube, ns, pod_name, True)
     last = (reply.last_checkpoint if reply else None) or {}
     if last.get("dir") == path and last.get("ok"):
+        mark_mapped(kube, ns, pod_name, path)  # verified by restoring it in this pod
         result = _result_status(
             {"timings": last.get("timings") or {}},
             status.get("startedAt") or now_iso(),
@@ -235,32 +256,173 @@ def _recover(
     )
 
 
-def delete_data(kube: Kube, body: Body, emit: Emit, agents: Agents) -> str:
-    """Apply spec.deletionPolicy when a Checkpoint is deleted; returns what was done.
-
-    A Checkpoint deleted while its agent still writes waits for the agent (its
-    files would be half removed otherwise), then puts the pod back in rotation.
-    """
+def has_data(body: Body) -> bool:
+    """A Checkpoint whose deletion must do something: data to remove, or an agent to wait for."""
     spec, status = body.get("spec") or {}, body.get("status") or {}
     if status.get("phase") == CKPT_RUNNING:
+        return True
+    return bool(
+        status.get("path")
+        and status.get("volume")
+        and status.get("image")
+        and spec.get("deletionPolicy", "Delete") == "Delete"
+    )
+
+
+def delete_data(
+    kube: Kube,
+    body: Body,
+    emit: Emit,
+    agents: Agents,
+    waited_s: float = 0.0,
+    settings: Settings | None = None,
+) -> str:
+    """Apply spec.deletionPolicy when a Checkpoint is deleted; returns what was done.
+
+    Raises Retry while that must wait: a Checkpoint deleted while its agent
+    still writes waits for the agent (its files would be half removed
+    otherwise), then puts the pod back in rotation; the data of a checkpoint
+    that live pods were restored from waits until those pods are gone (their
+    memory maps its files). Creating the cleanup Job is retried for at most
+    settings.delete_timeout_s (waited_s: seconds since the deletion was first
+    handled); then, or at once when the namespace is being deleted, the
+    Checkpoint is let go with a Warning Event naming the data left behind, so
+    a finalizer never holds a namespace forever.
+    """
+    settings = settings or from_env()
+    meta, spec, status = body["metadata"], body.get("spec") or {}, body.get("status") or {}
+    ns = meta["namespace"]
+    if status.get("phase") == CKPT_RUNNING:
         _wait_until_agent_done(kube, body, agents)
-        set_serving(kube, body["metadata"]["namespace"], status.get("pod", ""), True)
+        set_serving(kube, ns, status.get("pod", ""), True)
     path = status.get("path")
     if not path or not status.get("volume") or not status.get("image"):
         return "nothing to delete"
     if spec.get("deletionPolicy", "Delete") == "Retain":
         return f"retained {path}"
+    users = pods_using(kube, body, unknown_too=waited_s < settings.delete_timeout_s)
+    if users:
+        raise Retry(
+            f"keeping {path} while pods {', '.join(users)} use it "
+            "(restored memory maps its files); deleted once they are gone",
+            delay=10,
+        )
+    where = _data_location(status, path)
+    if not image_allowed(status["image"], settings.allowed_images):
+        return _let_go(emit, f"{where} left in place: its image is no longer allowed")
     job = b.build_cleanup_job(
-        body["metadata"]["namespace"],
-        body["metadata"]["name"],
+        ns,
+        meta["name"],
+        meta["uid"],
         path,
         status["volume"],
         status["image"],
         status.get("imagePullPolicy", "IfNotPresent"),
+        sub_path=status.get("subPath", ""),
+        node=status.get("node", ""),
     )
-    kube.create_if_absent(job)
+    try:
+        kube.create_if_absent(job)
+    except KubeError as e:
+        if not (e.status == 403 and "being terminated" in e.message):
+            if waited_s < settings.delete_timeout_s:
+                raise Retry(f"cannot create the cleanup Job yet: {e}", delay=15) from e
+            return _let_go(
+                emit, f"{where} left in place: no cleanup Job after {waited_s:.0f}s ({e})"
+            )
+        # The namespace is going away: no new Job may start in it. hostPath data
+        # outlives it, so remove it from the operator's own namespace if known.
+        if "hostPath" in status["volume"] and settings.operator_namespace:
+            job["metadata"]["namespace"] = settings.operator_namespace
+            job["metadata"]["name"] = b.cleanup_job_name(f"{ns}-{meta['name']}", meta["uid"])
+            try:
+                kube.create_if_absent(job)
+            except KubeError as e2:
+                return _let_go(emit, f"{where} left in place: namespace {ns} is terminating ({e2})")
+        else:
+            return _let_go(
+                emit,
+                f"{where} left in place: namespace {ns} is terminating"
+                + (
+                    " (the PVC goes with it)" if "persistentVolumeClaim" in status["volume"] else ""
+                ),
+            )
     emit("Normal", "CheckpointDataDeleted", f"deleting {path} (deletionPolicy Delete)")
     return f"deleting {path}"
+
+
+def _data_location(status: Mapping[str, Any], path: str) -> str:
+    vol = status.get("volume") or {}
+    sub = status.get("subPath", "")
+    rel = path.removeprefix(CHECKPOINT_MOUNT).lstrip("/")
+    if "hostPath" in vol:
+        host = "/".join(p for p in (vol["hostPath"].get("path", ""), sub, rel) if p)
+        return f"checkpoint data {host} on node {status.get('node') or '?'}"
+    claim = (vol.get("persistentVolumeClaim") or {}).get("claimName", "?")
+    return f"checkpoint data {'/'.join(p for p in (sub, rel) if p)} on PVC {claim}"
+
+
+def _let_go(emit: Emit, message: str) -> str:
+    emit("Warning", "CheckpointDataRetained", message)
+    return message
+
+
+def pods_using(kube: Kube, body: Body, unknown_too: bool = True) -> list[str]:
+    """Live pods of the Checkpoint's InferenceService whose memory may map its files.
+
+    Known: pods whose agent reported a restore from it (annotation
+    ANN_RESTORED_FROM, also set on the pod that made it, which verified it by
+    restoring). With unknown_too: pods created since it became Ready that have
+    not reported how they came up yet (they may be restoring from it now).
+    """
+    meta, status = body["metadata"], body.get("status") or {}
+    path, completed = status.get("path", ""), status.get("completedAt") or ""
+    isvc = (body.get("spec") or {}).get("inferenceService", "")
+    out = []
+    for pod in kube.list("Pod", meta["namespace"], b.selector_string(isvc)):
+        pmeta = pod.get("metadata") or {}
+        if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+            continue
+        unknown = (
+            not (pmeta.get("annotations") or {}).get(ANN_BOOT_PATH)
+            and completed
+            and pmeta.get("creationTimestamp", "") >= completed
+        )
+        if path in mapped_checkpoints(pod) or (unknown_too and unknown):
+            out.append(pmeta["name"])
+    return sorted(out)
+
+
+def mark_mapped(kube: Kube, namespace: str, pod: str, path: str) -> None:
+    """Record on pod that its memory maps files of the checkpoint at path."""
+    current = kube.get("Pod", namespace, pod)
+    if current is None:
+        return
+    ann = current["metadata"].get("annotations") or {}
+    value = with_mapped(ann, path)
+    if ann.get(ANN_RESTORED_FROM) != value:
+        kube.merge_patch(
+            "Pod", namespace, pod, {"metadata": {"annotations": {ANN_RESTORED_FROM: value}}}
+        )
+
+
+def current_spec_pods(pods: list[Body], fingerprint: str) -> tuple[list[Body], list[str]]:
+    """The pods started from the current spec, and why the others are passed over.
+
+    A Checkpoint records the current spec's fingerprint, so it must dump a pod
+    that runs that spec: during a rollout, older pods run an older one.
+    """
+    ok, skipped = [], []
+    for pod in pods:
+        theirs = ((pod.get("metadata") or {}).get("annotations") or {}).get(ANN_FINGERPRINT)
+        if theirs == fingerprint:
+            ok.append(pod)
+        else:
+            skipped.append(
+                f"pod {pod['metadata']['name']}: runs an older spec (fingerprint {theirs}, "
+                f"current {fingerprint})"
+            )
+    return ok, skipped
 
 
 def _wait_until_agent_done(kube: Kube, body: Body, agents: Agents) -> None:

@@ -25,6 +25,9 @@ ANN_FINGERPRINT = "rekindle.dev/fingerprint"  # on the pod template: the spec it
 ANN_RESTART = "rekindle.dev/restartedAt"  # on the isvc: `kubectl rekindle restore` bumps it
 ANN_BOOT_PATH = "rekindle.dev/boot-path"  # on pods: restored|booted, mirrored from the agent
 ANN_BOOT_REASON = "rekindle.dev/boot-reason"
+# On pods: the checkpoint directory their vLLM was restored from (mirrored from the
+# agent); its data is kept while such a pod lives (restored memory maps its files).
+ANN_RESTORED_FROM = "rekindle.dev/restored-from"
 # On pods: seconds from the agent's start to its first Ready, on the agent's own
 # clock (the pod-level cold start `kubectl rekindle bench` reports).
 ANN_AGENT_READY = "rekindle.dev/agent-ready-seconds"

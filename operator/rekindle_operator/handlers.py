@@ -16,6 +16,7 @@ from rekindle_operator import checkpointing, reconcile
 from rekindle_operator.constants import CKPT_PLURAL, GROUP, ISVC_PLURAL, VERSION
 from rekindle_operator.kube import Kube
 from rekindle_operator.pods import Agents
+from rekindle_operator.settings import Settings, from_env
 
 STATUS_INTERVAL_S = float(os.environ.get("REKINDLE_STATUS_INTERVAL", "5"))
 # How often an unfinished Checkpoint takes its next step (each one is short).
@@ -33,6 +34,11 @@ def agents() -> Agents:
     return Agents()
 
 
+@functools.cache
+def settings() -> Settings:
+    return from_env()
+
+
 def _emitter(body: kopf.Body) -> reconcile.Emit:
     def emit(kind: str, reason: str, message: str) -> None:
         kopf.event(body, type=kind, reason=reason, message=message)
@@ -44,6 +50,14 @@ def _emitter(body: kopf.Body) -> reconcile.Emit:
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.peering.standalone = True
     settings.peering.mandatory = False
+    # No watching of namespaces or CRDs: the watched namespaces are the
+    # --namespace list (or the whole cluster) and the CRDs exist before the
+    # operator starts (the chart installs them first). kopf's namespace
+    # observer drops a namespace the moment it starts terminating, before its
+    # objects are deleted: the operator would never see their deletion, and
+    # its finalizers would hold the namespace forever. This also means the
+    # operator needs no cluster-wide read of namespaces or CRDs.
+    settings.scanning.disabled = True
     # Progress and diff-base in annotations under our own prefix: the CRDs'
     # status schemas stay strict (no status.kopf) and nothing collides with
     # another kopf operator in the cluster.
@@ -58,7 +72,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 
 
 def _reconcile(body: kopf.Body, patch: kopf.Patch) -> None:
-    patch.status.update(reconcile.reconcile(kube(), body, _emitter(body), agents()))
+    patch.status.update(reconcile.reconcile(kube(), body, _emitter(body), agents(), settings()))
 
 
 @kopf.on.resume(GROUP, VERSION, ISVC_PLURAL)
@@ -84,9 +98,31 @@ def checkpoint_step(body: kopf.Body, **_: Any) -> None:
     checkpointing.step(kube(), body, _emitter(body), agents())
 
 
-@kopf.on.delete(GROUP, VERSION, CKPT_PLURAL)
-def checkpoint_deleted(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
+def _checkpoint_has_data(body: kopf.Body, **_: Any) -> bool:
+    return checkpointing.has_data(body)
+
+
+# kopf keeps its finalizer on a Checkpoint only while a handler needs it: while
+# unfinished (the step timer) and while it has data to delete (this handler);
+# a Retained or data-less Checkpoint is deleted at once.
+@kopf.on.delete(GROUP, VERSION, CKPT_PLURAL, when=_checkpoint_has_data)
+def checkpoint_deleted(
+    body: kopf.Body, logger: kopf.Logger, runtime: Any, retry: int, **_: Any
+) -> None:
+    emit = _emitter(body)
+    waited = runtime.total_seconds()
     try:
-        logger.info(checkpointing.delete_data(kube(), body, _emitter(body), agents()))
+        logger.info(checkpointing.delete_data(kube(), body, emit, agents(), waited, settings()))
     except checkpointing.Retry as e:
+        if retry % 30 == 0:  # say why once, then every few minutes
+            emit("Normal", "CheckpointDeletionWaiting", str(e))
         raise kopf.TemporaryError(str(e), delay=e.delay) from e
+    except Exception as e:  # the apiserver, RBAC: bounded, never forever
+        if waited < settings().delete_timeout_s:
+            raise kopf.TemporaryError(f"deleting the checkpoint's data: {e}", delay=15) from e
+        emit(
+            "Warning",
+            "CheckpointDataRetained",
+            f"gave up deleting the data after {waited:.0f}s: {e}; "
+            f"path {(body.get('status') or {}).get('path')} is left in place",
+        )

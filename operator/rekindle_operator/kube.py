@@ -28,6 +28,7 @@ _RESOURCES: dict[str, tuple[str, str]] = {
     "PersistentVolumeClaim": ("/api/v1", "persistentvolumeclaims"),
     "Pod": ("/api/v1", "pods"),
     "Job": ("/apis/batch/v1", "jobs"),
+    "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
     "InferenceService": (f"/apis/{GROUP}/{VERSION}", ISVC_PLURAL),
     "Checkpoint": (f"/apis/{GROUP}/{VERSION}", CKPT_PLURAL),
 }

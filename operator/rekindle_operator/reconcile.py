@@ -13,10 +13,16 @@ from typing import Any
 from rekindle_contract.api import SERVE_PORT
 
 from rekindle_operator import builders as b
-from rekindle_operator.constants import ANN_AGENT_READY, ANN_BOOT_PATH, ANN_BOOT_REASON
+from rekindle_operator.constants import (
+    ANN_AGENT_READY,
+    ANN_BOOT_PATH,
+    ANN_BOOT_REASON,
+    ANN_RESTORED_FROM,
+)
 from rekindle_operator.kube import Kube
 from rekindle_operator.pods import Agents, read_token
 from rekindle_operator.selection import newest_usable, stale_changes
+from rekindle_operator.settings import Settings, from_env, image_allowed
 from rekindle_operator.shm_sizing import effective_shm_bytes, shm_need, shm_shortfall
 from rekindle_operator.spec import IsvcSpec, SpecError, parse_spec
 from rekindle_operator.spec_fingerprint import spec_fingerprint
@@ -56,8 +62,28 @@ def mark_stale(kube: Kube, spec: IsvcSpec, checkpoints: list[dict[str, Any]], em
             )
 
 
-def ensure_objects(kube: Kube, body: Body, spec: IsvcSpec, shm_bytes: int) -> None:
+def check_image(spec: IsvcSpec, settings: Settings) -> None:
+    """The operator's own check of the allowed images (the chart's policy refuses at apply)."""
+    if not image_allowed(spec.image, settings.allowed_images):
+        raise SpecError(
+            f"spec.runtime.image {spec.image!r} is not an allowed runtime image "
+            f"({', '.join(settings.allowed_images)}): use one of them, or ask the cluster's "
+            "admin to add it to the chart's allowedRuntimeImages"
+        )
+
+
+def ensure_objects(
+    kube: Kube, body: Body, spec: IsvcSpec, shm_bytes: int, settings: Settings | None = None
+) -> None:
+    settings = settings or Settings()
     kube.create_if_absent(b.build_secret(spec, owner=body))
+    kube.create_if_absent(b.build_signing_secret(spec, owner=body))
+    if settings.network_policy:
+        kube.apply(
+            b.build_network_policy(
+                spec, settings.operator_namespace, settings.operator_labels, owner=body
+            )
+        )
     pvc = b.build_pvc(spec, owner=body)
     if pvc is not None:
         kube.create_if_absent(pvc)
@@ -82,12 +108,27 @@ def observe_pods(kube: Kube, spec: IsvcSpec, agents: Agents) -> tuple[PodBoot, .
     return tuple(out)
 
 
+def mapped_checkpoints(pod: Body) -> list[str]:
+    """Checkpoint directories whose files this pod's processes may map (restored from them)."""
+    ann = (pod.get("metadata") or {}).get("annotations") or {}
+    return [p for p in (ann.get(ANN_RESTORED_FROM) or "").split(",") if p]
+
+
+def with_mapped(annotations: Mapping[str, str], path: str) -> str:
+    """The annotation's value with path added: a pod restored, checkpointed and restored
+    again may still map pages of each checkpoint it came from."""
+    paths = [p for p in (annotations.get(ANN_RESTORED_FROM) or "").split(",") if p]
+    return ",".join(paths if path in paths else [*paths, path])
+
+
 def mirror_boot_annotations(kube: Kube, pod: Body, boot: PodBoot) -> None:
     """Pods say how they came up (kubectl get pod -o yaml shows it without the agent)."""
     if boot.origin not in ("booted", "restored"):
         return
     ann = (pod.get("metadata") or {}).get("annotations") or {}
     want = {ANN_BOOT_PATH: boot.origin, ANN_BOOT_REASON: boot.reason[:500]}
+    if boot.origin == "restored" and boot.checkpoint:
+        want[ANN_RESTORED_FROM] = with_mapped(ann, boot.checkpoint)
     if boot.agent_ready_seconds is not None and not ann.get(ANN_AGENT_READY):
         want[ANN_AGENT_READY] = f"{boot.agent_ready_seconds:.3f}"  # recorded once per pod
     if all(ann.get(k) == v for k, v in want.items()):
@@ -100,12 +141,16 @@ def mirror_boot_annotations(kube: Kube, pod: Body, boot: PodBoot) -> None:
     )
 
 
-def reconcile(kube: Kube, body: Body, emit: Emit, agents: Agents) -> dict[str, Any]:
+def reconcile(
+    kube: Kube, body: Body, emit: Emit, agents: Agents, settings: Settings | None = None
+) -> dict[str, Any]:
     """Bring owned objects in line with body's spec and return the new status."""
+    settings = settings or from_env()
     old: Body = body.get("status") or {}
     meta = body["metadata"]
     try:
         spec = spec_of(body)
+        check_image(spec, settings)
     except (SpecError, ValueError) as e:
         new = {**old, "phase": "Failed", "message": str(e)}
         if old.get("message") != str(e):
@@ -121,7 +166,7 @@ def reconcile(kube: Kube, body: Body, emit: Emit, agents: Agents) -> dict[str, A
     if shm_error is None:
         # The pointer first: a pod the Deployment change starts must see it.
         in_use = update_pointer(kube, body, spec, checkpoints)
-        ensure_objects(kube, body, spec, shm_bytes)
+        ensure_objects(kube, body, spec, shm_bytes, settings)
     deployment = kube.get("Deployment", spec.namespace, b.deployment_name(spec.name))
     pods = observe_pods(kube, spec, agents) if deployment else ()
     obs = Observed(

@@ -11,12 +11,21 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from rekindle_contract.pod import (
+    API_KEY_ENV,
+    CHECKPOINT_ENV,
+    IMAGE_ENV,
+    SIGNING_KEY_ENV,
+    TOKEN_ENV,
+)
 from rekindle_contract.vllm_argv import MANAGED_VLLM_FLAGS
 
 from rekindle_operator.constants import ANN_RESTART
 from rekindle_operator.quantity import to_bytes
 
 DEFAULT_IMAGE = "rekindle.local/runtime-cpu:dev"
+# Pod env the operator sets itself: spec.env may not name these.
+MANAGED_ENV = (CHECKPOINT_ENV, IMAGE_ENV, SIGNING_KEY_ENV, API_KEY_ENV, TOKEN_ENV)
 
 
 class SpecError(ValueError):
@@ -64,6 +73,9 @@ class IsvcSpec:
     restore_policy: str = "IfAvailable"  # IfAvailable | Never
     prefetch: bool = True
     restart_token: str = ""  # bumped by `kubectl rekindle restore`
+    # The user's Secret (name, key) holding the API key clients must send on the
+    # serve port; None: no key. The operator mounts it, never reads it.
+    api_key_secret: tuple[str, str] | None = None
 
 
 def _get(d: Mapping[str, Any], key: str) -> Mapping[str, Any]:
@@ -90,6 +102,7 @@ def parse_spec(
     st = _get(cold, "storage")
     pvc = _get(st, "pvc")
     hp = _get(st, "hostPath")
+    api_key = _get(spec, "apiKeySecretRef")
 
     tp = int(spec.get("tensorParallelSize", 1))
     replicas = int(spec.get("replicas", 1))
@@ -130,6 +143,11 @@ def parse_spec(
         restore_policy=str(cold.get("restorePolicy", "IfAvailable")),
         prefetch=bool(cold.get("prefetch", True)),
         restart_token=(annotations or {}).get(ANN_RESTART, ""),
+        api_key_secret=(
+            (str(api_key["name"]), str(api_key.get("key") or "api-key"))
+            if api_key.get("name")
+            else None
+        ),
     )
     validate(out)
     return out
@@ -154,6 +172,12 @@ def validate(s: IsvcSpec) -> None:
             raise SpecError(
                 f"spec.vllmArgs sets {flag}, which the operator manages: "
                 "use spec.model, spec.multimodal, spec.kvCache or spec.tensorParallelSize instead"
+            )
+    for name, _ in s.env:
+        if name in MANAGED_ENV:
+            raise SpecError(
+                f"spec.env sets {name}, which the operator manages: remove it "
+                "(use spec.apiKeySecretRef for the serve port's API key)"
             )
     if s.mm_shm_cache and s.mm_max_object_mib * 2**20 > s.mm_cache_bytes:
         raise SpecError(

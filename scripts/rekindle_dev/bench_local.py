@@ -8,7 +8,12 @@ an empty /dev/shm (rekindle_dev.harness), like a new pod:
   stock+prefetch  the same CRIU with the prefetch (separates the two gains)
   patched-size    (only when asked for) patched without the content check
   patched  restore with the patched CRIU (--mmap-restore when it has it) and
-           the parallel prefetch, checksums verified while restoring
+           the parallel prefetch, BLAKE3 checked while restoring (the tree
+           stays stopped until every file is checked)
+  patched-signed  (only when asked for) the same with the signing key: the
+           manifest's signature checked too. The checkpoint the bench makes is
+           always signed (unsigned agents accept it), so patched-size, patched
+           and patched-signed differ only in what the restore checks
 each with a warm and a cold page cache (`echo 3 > /proc/sys/vm/drop_caches`),
 for N trials, interleaved. Time to first token = agent launch to the answer of
 a one-token completion through the agent's proxy. Results: JSON, a Markdown
@@ -21,6 +26,7 @@ import argparse
 import json
 import os
 import platform
+import secrets
 import statistics
 import subprocess
 import sys
@@ -42,14 +48,18 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # Not run by default: the same without checking file contents (sizes only), to
     # show what the crc32 check costs.
     "patched-size": {"mmap_restore": "auto", "prefetch": True, "verify_checksums": "size"},
+    # Not run by default: with the signing key (signature + BLAKE3 of every file).
+    "patched-signed": {"mmap_restore": "auto", "prefetch": True, "signed": True},
 }
 RESTORE_PHASES = (
     "validate",
     "checksums",
+    "verify_critical",
     "shm",
     "criu_restore",
-    "health",
     "prefetch_wait",
+    "resume",
+    "health",
     "reload_weights",
     "first_token",
 )
@@ -81,9 +91,16 @@ def wait_ready_tight(agent: AgentProc, timeout: float) -> float:
 
 
 def one_run(
-    factory: AgentFactory, variant: str, ckpt: Path, criu: dict[str, Path], name: str
+    factory: AgentFactory,
+    variant: str,
+    ckpt: Path,
+    criu: dict[str, Path],
+    name: str,
+    key_file: Path | None = None,
 ) -> dict[str, Any]:
     settings = dict(VARIANTS[variant])
+    if settings.pop("signed", False):
+        settings["signing_key_file"] = str(key_file)
     if variant != "naive":
         settings.update(checkpoint=str(ckpt), criu=str(criu[variant]))
     agent = factory.start(name=name, **settings)
@@ -139,7 +156,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         }
     for cache in ("warm", "cold"):
         naive = out.get(f"naive/{cache}")
-        for v in ("stock", "stock+prefetch", "patched", "patched-size"):
+        for v in ("stock", "stock+prefetch", "patched", "patched-size", "patched-signed"):
             s = out.get(f"{v}/{cache}")
             if naive and s:
                 s["speedup_vs_naive"] = naive["ttft_median"] / s["ttft_median"]
@@ -216,7 +233,41 @@ def command_line(args: argparse.Namespace) -> str:
     parts += [f"--trials {args.trials}", f"--variants {args.variants}", f"--work {args.work}"]
     if args.model:
         parts.append(f"--model {args.model}")
+    if getattr(args, "verify_cost", False):
+        parts.append("--verify-cost")
     return " ".join([*parts, f"--out {args.out}"])
+
+
+def verify_cost(ckpt: Path, threads: int, trials: int) -> dict[str, Any]:
+    """The restore's content check alone, on a real checkpoint: read every file with the
+    prefetcher (threads as the agent), checking nothing (size), crc32 (what older agents
+    checked by default) or BLAKE3 (the default now); median seconds, warm and cold cache."""
+    from rekindle_agent import digests, manifest_io, prefetch
+
+    man = manifest_io.read(ckpt)
+    files: list[dict[str, Any]] = [dict(f) for f in man["files"]]
+    for f in files:  # crc32 as an older agent recorded it (not timed)
+        h = digests.new("crc32")
+        with open(ckpt / str(f["path"]), "rb") as fh:
+            while chunk := fh.read(8 << 20):
+                h.update(chunk)
+        f["crc32"] = h.hexdigest()
+    out: dict[str, Any] = {"bytes": sum(int(f["size"]) for f in files), "threads": threads}
+    for cache in ("warm", "cold"):
+        for verify in ("size", "crc32", "blake3"):
+            secs = []
+            for _ in range(trials):
+                if cache == "cold":
+                    drop_caches()
+                else:
+                    prefetch.Prefetcher(ckpt, files, threads, "size").result()  # type: ignore[arg-type]
+                t0 = time.monotonic()
+                res = prefetch.Prefetcher(ckpt, files, threads, verify).result()  # type: ignore[arg-type]
+                secs.append(time.monotonic() - t0)
+                assert not res.bad, res.bad
+            out[f"{verify}/{cache}"] = statistics.median(secs)
+            log(f"verify {verify:6s} {cache}: {out[f'{verify}/{cache}']:.3f}s")
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -236,7 +287,7 @@ def run(args: argparse.Namespace) -> int:
     prefix = Path(args.criu_prefix)
     criu = {"stock": prefix / "stock" / "criu", "patched": prefix / "patched" / "criu"}
     criu["stock+prefetch"] = criu["stock"]
-    criu["patched-size"] = criu["patched"]
+    criu["patched-size"] = criu["patched-signed"] = criu["patched"]
     for p in criu.values():
         if not os.access(p, os.X_OK):
             print(f"no CRIU at {p}: run scripts/build-criu and pass its output", file=sys.stderr)
@@ -249,9 +300,12 @@ def run(args: argparse.Namespace) -> int:
 
         model = generate_tiny_model(work / "tiny")
     factory = AgentFactory(work, model, criu["patched"])
+    key_file = work / "signing-key"
+    key_file.write_text(secrets.token_hex(32) + "\n")
+    key_file.chmod(0o600)
     ckpt = factory.checkpoints / f"bench-{int(time.time())}"
-    log("booting once to make the checkpoint")
-    agent = factory.start(name="make-checkpoint")
+    log("booting once to make the checkpoint (signed)")
+    agent = factory.start(name="make-checkpoint", signing_key_file=str(key_file))
     try:
         agent.wait_ready(900)
         man = agent.client.checkpoint(str(ckpt), timeout=900)
@@ -259,6 +313,7 @@ def run(args: argparse.Namespace) -> int:
         agent.stop()
     size = sum(int(f["size"]) for f in man["files"])
     log(f"checkpoint {ckpt}: {size / 2**30:.2f} GiB")
+    verify = verify_cost(ckpt, 8, args.trials) if args.verify_cost else None
     runs: list[dict[str, Any]] = []
     order = [v for v in args.variants.split(",") if v]
     for trial in range(args.trials):
@@ -266,7 +321,7 @@ def run(args: argparse.Namespace) -> int:
             for variant in order:
                 if cache == "cold":
                     drop_caches()
-                r = one_run(factory, variant, ckpt, criu, f"{variant}-{cache}-{trial}")
+                r = one_run(factory, variant, ckpt, criu, f"{variant}-{cache}-{trial}", key_file)
                 r.update(cache=cache, trial=trial)
                 runs.append(r)
                 log(f"trial {trial} {variant:8s} {cache}: first token {r['ttft']:.2f}s")
@@ -282,6 +337,7 @@ def run(args: argparse.Namespace) -> int:
             "load_avg_at_end": os.getloadavg(),
         },
         "checkpoint_bytes": size,
+        "verify_cost_seconds": verify,
         "checkpoint_timings": man["timings"],
         "variants": VARIANTS,
         "summary": summary,
@@ -300,3 +356,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--work", default="/var/tmp/rekindle-bench", help="scratch (on disk)")
     p.add_argument("--out", default="docs/bench/local")
     p.add_argument("--replot", action="store_true", help="only redraw from OUT/results.json")
+    p.add_argument(
+        "--verify-cost",
+        action="store_true",
+        help="also time the restore's content check alone (size, crc32, blake3; warm, cold)",
+    )

@@ -61,6 +61,7 @@ class AgentProc:
         self.log = log
         self.ports_file = ports_file
         self.token = token
+        self.api_key: str | None = None  # sent on the serve port when set
         self._ports: dict[str, int] | None = None
         self._client: AgentClient | None = None
         self.launched = time.monotonic()
@@ -106,6 +107,45 @@ class AgentProc:
     def status(self) -> StatusReply:
         return self.client.status()
 
+    def wait_state(
+        self, states: tuple[str, ...], timeout: float = 120, poll: float = 0.1
+    ) -> StatusReply:
+        """Poll the status until the state is one of states (Failed included, no raise)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                st = self.status()
+                if st.state in states:
+                    return st
+            except (urllib.error.URLError, ConnectionError, OSError):
+                if self.proc.poll() is not None:
+                    raise RuntimeError(
+                        f"agent exited {self.proc.returncode}:\n{self.tail()}"
+                    ) from None
+            time.sleep(poll)
+        raise TimeoutError(f"agent not in {states} after {timeout}s:\n{self.tail()}")
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: object | None = None,
+        headers: dict[str, str] | None = None,
+        timeout: float = 60,
+    ) -> tuple[int, str]:
+        """A raw request on the serve port: (HTTP status, body text), errors included."""
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.serve_url + path, data=data, method=method)
+        if data is not None:
+            req.add_header("Content-Type", "application/json")
+        for k, v in (headers or {}).items():
+            req.add_header(k, v)
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                return resp.status, resp.read().decode(errors="replace")
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode(errors="replace")
+
     def wait_ready(self, timeout: float = 300, poll: float = 0.2) -> StatusReply:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -132,11 +172,14 @@ class AgentProc:
             "temperature": 0.0,
             "stream": stream,
         }
+        headers = {"Content-Type": "application/json"}
+        if self.api_key is not None:
+            headers["Authorization"] = f"Bearer {self.api_key}"
         req = urllib.request.Request(
             self.serve_url + "/v1/completions",
             data=json.dumps(body).encode(),
             method="POST",
-            headers={"Content-Type": "application/json"},
+            headers=headers,
         )
         with urllib.request.urlopen(req, timeout=120) as resp:
             raw = resp.read().decode()
@@ -213,6 +256,9 @@ class AgentFactory:
         if fresh_ns:
             argv = [*FRESH_NS, *argv]
         proc = AgentProc(argv, self.base / f"{stem}.log", ports_file, self.token, self.env)
+        key_file = overrides.get("api_key_file")
+        if key_file:  # the serve port needs it: send it on completions
+            proc.api_key = Path(key_file).read_text().strip()
         self.started.append(proc)
         return proc
 

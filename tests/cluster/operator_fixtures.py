@@ -64,18 +64,23 @@ def isvc_manifest(name: str, host_path: str, **spec: Any) -> dict[str, Any]:
 
 
 class OperatorProcess:
-    """`python -m rekindle_operator` for one namespace, restartable, killed as a group."""
+    """`python -m rekindle_operator` for some namespaces, restartable, killed as a group."""
 
-    def __init__(self, namespace: str, log: Path) -> None:
-        self.namespace = namespace
+    def __init__(
+        self, namespace: str | list[str], log: Path, env: dict[str, str] | None = None
+    ) -> None:
+        self.namespaces = [namespace] if isinstance(namespace, str) else list(namespace)
+        self.namespace = self.namespaces[0]
         self.log = log
+        self.env = env or {}
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        env = {**ENV, "REKINDLE_STATUS_INTERVAL": "2"}
+        env = {**ENV, "REKINDLE_STATUS_INTERVAL": "2", **self.env}
+        args = [a for ns in self.namespaces for a in ("--namespace", ns)]
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "rekindle_operator", "--namespace", self.namespace, "-v"],
+                [sys.executable, "-m", "rekindle_operator", *args, "-v"],
                 env=env,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -212,6 +217,16 @@ def service_url(name: str, namespace: str) -> str:
     svc = kubectl_json("get", "svc", name, "-n", namespace)
     port = svc["spec"]["ports"][0]["port"]
     return f"http://{svc['spec']['clusterIP']}:{port}"
+
+
+def data_dir(host_root: Path | str, checkpoint: dict[str, Any]) -> Path:
+    """Where a Checkpoint's data lies on the node: ROOT/NAMESPACE/ISVC/NAME-UID8.
+
+    status.path is the path inside the pod, below the InferenceService's own
+    subPath (status.subPath) of the volume.
+    """
+    st = checkpoint["status"]
+    return Path(host_root) / st["subPath"] / st["path"].rsplit("/", 1)[1]
 
 
 def pods_of(name: str, namespace: str) -> list[dict[str, Any]]:

@@ -144,3 +144,63 @@ def test_chart_operator_reconciles_with_its_own_rbac(namespace: str, release: st
     assert "Forbidden" not in operator_logs(namespace, release), json.dumps(
         operator_logs(namespace, release)[-2000:]
     )
+    check_namespaced_rbac(namespace, release)
+    check_image_policy(namespace)
+
+
+def can_i(namespace: str, release: str, *args: str) -> bool:
+    sa = f"system:serviceaccount:{namespace}:{release}-rekindle"
+    r = kubectl("auth", "can-i", *args, "--as", sa, check=False)
+    return r.stdout.strip() == "yes"
+
+
+def check_namespaced_rbac(namespace: str, release: str) -> None:
+    """The chart's default: rights in the watched namespace only, none elsewhere."""
+    ns = ("-n", namespace)
+    for args in (
+        ("create", "deployments.apps"),
+        ("patch", "inferenceservices.rekindle.dev", "--subresource=status"),
+        ("create", "networkpolicies.networking.k8s.io"),
+        ("create", "jobs.batch"),
+        ("get", "secrets"),
+    ):
+        assert can_i(namespace, release, *args, *ns), args
+    assert not can_i(namespace, release, "list", "secrets", *ns)  # the token is read by name
+    assert not can_i(namespace, release, "delete", "pods", *ns)
+    for other in ("default", "kube-system"):
+        for args in (
+            ("create", "deployments.apps"),
+            ("get", "secrets"),
+            ("list", "pods"),
+            ("patch", "inferenceservices.rekindle.dev"),
+        ):
+            assert not can_i(namespace, release, *args, "-n", other), (other, args)
+    assert not can_i(namespace, release, "list", "pods", "--all-namespaces")
+    assert not can_i(namespace, release, "list", "secrets", "--all-namespaces")
+    # Nothing cluster-wide, not even reads of namespaces or CRDs (kopf does not scan).
+    assert not can_i(namespace, release, "list", "customresourcedefinitions.apiextensions.k8s.io")
+    assert not can_i(namespace, release, "list", "namespaces")
+
+
+def check_image_policy(namespace: str) -> None:
+    """An image outside allowedRuntimeImages is refused at apply (ValidatingAdmissionPolicy)."""
+    doc: dict[str, Any] = isvc_manifest("evil", "/var/lib/rekindle/unused", replicas=0)
+    doc["spec"]["runtime"]["image"] = "registry.example/evil:1"
+    refused = None
+
+    def is_refused() -> bool:
+        nonlocal refused
+        r = apply(doc, namespace)
+        if r.returncode == 0:  # the policy is not active yet (it syncs within seconds)
+            kubectl("delete", "rkis", "evil", "-n", namespace, "--wait=true", check=False)
+            return False
+        refused = r.stderr
+        return True
+
+    wait_until("the admission policy to refuse the image", is_refused, 60)
+    assert refused is not None
+    assert "not an allowed runtime image" in refused and "rekindle.local/runtime-cpu:dev" in refused
+    # The allowed image (the sample's) is accepted.
+    ok = isvc_manifest("fine", "/var/lib/rekindle/unused", replicas=0)
+    r = apply(ok, namespace, "--dry-run=server")
+    assert r.returncode == 0, r.stderr

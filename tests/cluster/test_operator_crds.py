@@ -132,9 +132,15 @@ def test_builders_pass_server_side_validation(namespace: str) -> None:
         b.build_cleanup_job(
             namespace,
             "c1",
-            "/var/lib/rekindle/checkpoints/tiny/c1-abc",
+            "0123456789",
+            "/var/lib/rekindle/checkpoints/c1-01234567",
             b.checkpoint_volume(spec),
             spec.image,
+            sub_path=b.storage_subpath(namespace, "tiny"),
+            node="some-node",
+        ),
+        b.build_network_policy(
+            spec, "rekindle-system", {"app.kubernetes.io/name": "rekindle"}, owner
         ),
     ]
     pvc_spec = parse_spec(
@@ -146,18 +152,64 @@ def test_builders_pass_server_side_validation(namespace: str) -> None:
         assert r.returncode == 0, f"{obj['kind']}: {r.stderr}"
 
 
+def _docs(out: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
 def test_chart_renders_and_validates(namespace: str) -> None:
     chart = str(REPO / "charts" / "rekindle")
     lint = helm("lint", chart)
     assert lint.returncode == 0, lint.stdout + lint.stderr
     out = helm("template", "rk", chart, "-n", namespace).stdout
-    kinds = {d["kind"] for d in yaml.safe_load_all(out) if d}
-    assert {"Deployment", "ServiceAccount", "ClusterRole", "ClusterRoleBinding"} <= kinds
+    docs = _docs(out)
+    kinds = {d["kind"] for d in docs}
+    assert {
+        "Deployment",
+        "ServiceAccount",
+        "Role",
+        "RoleBinding",
+        "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicyBinding",
+    } <= kinds
+    # The default is namespaced: no cluster-wide rights at all.
+    assert not kinds & {"ClusterRole", "ClusterRoleBinding"}
+    roles = {
+        (d["metadata"]["namespace"], d["metadata"]["name"]) for d in docs if d["kind"] == "Role"
+    }
+    assert roles == {(namespace, "rk-rekindle"), (namespace, "rk-rekindle-self")}
+    (dep,) = [d for d in docs if d["kind"] == "Deployment"]
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert f"--namespace={namespace}" in args
+    env = {e["name"]: e for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["REKINDLE_ALLOWED_IMAGES"]["value"] == "rekindle.local/runtime-cpu:dev"
+    assert "app.kubernetes.io/instance=rk" in env["REKINDLE_OPERATOR_POD_LABELS"]["value"]
     r = kubectl("apply", "-n", namespace, "--dry-run=server", "-f", "-", input=out, check=False)
     assert r.returncode == 0, r.stderr
     scoped = helm(
-        "template", "rk", chart, "-n", namespace, "--set", f"watchNamespaces={{{namespace}}}"
+        "template", "rk", chart, "-n", namespace, "--set", f"watchNamespaces={{{namespace},b}}"
     ).stdout
-    assert "kind: Role\n" in scoped and "--namespace=" + namespace in scoped
+    roles = {
+        (d["metadata"]["namespace"], d["metadata"]["name"])
+        for d in _docs(scoped)
+        if d["kind"] == "Role"
+    }
+    assert roles == {
+        (namespace, "rk-rekindle"),
+        ("b", "rk-rekindle"),
+        (namespace, "rk-rekindle-self"),
+    }
+    assert "--namespace=" + namespace in scoped and "--namespace=b" in scoped
+    # Cluster-wide only when asked: a ClusterRole with the namespaced rules, no --namespace.
+    wide = _docs(
+        helm("template", "rk", chart, "-n", namespace, "--set", "rbac.clusterWide=true").stdout
+    )
+    names = {d["metadata"]["name"] for d in wide if d["kind"] == "ClusterRole"}
+    assert names == {"rk-rekindle"}
+    (wdep,) = [d for d in wide if d["kind"] == "Deployment"]
+    assert not [
+        a for a in wdep["spec"]["template"]["spec"]["containers"][0]["args"] if "namespace" in a
+    ]
+    (binding,) = [d for d in wide if d["kind"] == "ValidatingAdmissionPolicyBinding"]
+    assert "matchResources" not in binding["spec"]  # every namespace
     bad = helm("template", "rk", chart, "--set", "statusIntervalSeconds=-1", check=False)
     assert bad.returncode != 0 and "statusIntervalSeconds" in bad.stderr

@@ -3,7 +3,9 @@
 One InferenceService is shared by the module (each vLLM boot costs ~30-60 s):
 serve -> checkpoint -> scale 0->1 restores with identical greedy output ->
 a corrupted checkpoint boots normally and says why -> the operator killed
-mid-checkpoint recovers -> deleting cleans up. Refusals that need the
+mid-checkpoint recovers -> a Checkpoint deleted while a restored replica maps
+it waits for that replica (which keeps serving the same answers) -> deleting
+cleans up. Refusals that need the
 operator (a Checkpoint naming a missing InferenceService, /dev/shm below the
 full computed need) run beside it.
 """
@@ -27,6 +29,7 @@ from tests.cluster.cluster_tools import kubectl, kubectl_json, wait_until
 from tests.cluster.operator_fixtures import (
     OperatorProcess,
     apply,
+    data_dir,
     get,
     http_json,
     isvc_manifest,
@@ -181,10 +184,8 @@ def test_checkpoint_ready_then_new_replica_restores_with_same_output(
     st = ck["status"]
     assert st["phase"] == "Ready" and st["sizeBytes"] > 0 and st["phaseSeconds"]
     assert st["fingerprint"] == isvc(op_namespace)["status"]["fingerprint"]
-    assert (
-        Path(served["isvc"]["spec"]["coldStart"]["storage"]["hostPath"]["path"])
-        / st["path"].split("/checkpoints/", 1)[1]
-    ).is_dir()
+    assert data_dir(served["isvc"]["spec"]["coldStart"]["storage"]["hostPath"]["path"], ck).is_dir()
+    assert st["subPath"] == f"{op_namespace}/{NAME}"
     wait_status(
         "rkis",
         NAME,
@@ -214,9 +215,9 @@ def test_corrupted_checkpoint_boots_normally_and_says_why(
 ) -> None:
     ck = get("rkcp", "first", op_namespace)
     assert ck is not None
-    rel = ck["status"]["path"].split("/checkpoints/", 1)[1]
-    images = sorted((host_dir / rel).rglob("pages-*.img"), key=lambda p: p.stat().st_size)
-    assert images, f"no CRIU pages image under {host_dir / rel}"
+    where = data_dir(host_dir, ck)
+    images = sorted(where.rglob("pages-*.img"), key=lambda p: p.stat().st_size)
+    assert images, f"no CRIU pages image under {where}"
     with images[-1].open("r+b") as f:  # flip bytes in the middle of the biggest image
         f.seek(images[-1].stat().st_size // 2)
         chunk = f.read(4096)
@@ -333,12 +334,68 @@ def test_shm_below_full_need_refused_by_operator(
     kubectl("delete", "rkis", "undersized", "-n", op_namespace)
 
 
+def test_deleting_a_checkpoint_a_replica_maps_waits_for_the_replica(
+    served: dict[str, Any],
+    before: list[str],
+    op_namespace: str,
+    host_dir: Path,
+    kubectl_rekindle: dict[str, str],
+) -> None:
+    r = run_plugin(
+        kubectl_rekindle,
+        "-n",
+        op_namespace,
+        "checkpoint",
+        NAME,
+        "--checkpoint-name",
+        "third",
+        "--wait",
+        "--timeout",
+        "900",
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    ck = get("rkcp", "third", op_namespace)
+    assert ck is not None
+    path, data = ck["status"]["path"], data_dir(host_dir, ck)
+    scale_zero_then_one(op_namespace)
+    ready_with(op_namespace, "restored")
+
+    def annotated() -> bool:
+        pods = pods_of(NAME, op_namespace)
+        ann = (pods[0]["metadata"].get("annotations") or {}) if pods else {}
+        return path in ann.get("rekindle.dev/restored-from", "")
+
+    wait_until("the replica to report it was restored from the checkpoint", annotated, 60)
+    (pod,) = pods_of(NAME, op_namespace)
+    kubectl("delete", "rkcp", "third", "-n", op_namespace, "--wait=false")
+    wait_until(
+        "the deletion to say it waits for the replica",
+        lambda: any(
+            e["reason"] == "CheckpointDeletionWaiting" and pod["metadata"]["name"] in e["message"]
+            for e in kubectl_json(
+                "get", "events", "-n", op_namespace, "--field-selector", "involvedObject.name=third"
+            )["items"]
+        ),
+        60,
+    )
+    kept = get("rkcp", "third", op_namespace)
+    assert kept is not None and kept["metadata"].get("deletionTimestamp")
+    assert data.is_dir() and any(data.rglob("pages-*.img"))
+    # The restored replica maps the checkpoint's files: it keeps serving the same answers.
+    assert completions(served["url"]) == before
+    assert data.is_dir()
+    # Once no pod maps it, the Checkpoint goes and so does its data.
+    scale(op_namespace, 0)
+    wait_until("the Checkpoint gone", lambda: get("rkcp", "third", op_namespace) is None, 240)
+    wait_until(f"{data} removed", lambda: not data.exists(), 180)
+
+
 def test_delete_cleans_up_owned_objects_and_checkpoint_data(
     served: dict[str, Any], op_namespace: str, host_dir: Path
 ) -> None:
     ck = get("rkcp", "first", op_namespace)
     assert ck is not None
-    data = host_dir / ck["status"]["path"].split("/checkpoints/", 1)[1]
+    data = data_dir(host_dir, ck)
     assert data.is_dir()
     kubectl("delete", "rkis", NAME, "-n", op_namespace, "--wait=false")
     for kind, name in (

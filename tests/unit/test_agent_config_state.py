@@ -82,6 +82,14 @@ def test_every_setting_round_trips_through_agent_argv() -> None:
         seccomp_io_uring=False,
         ns_last_pid=20000,
         clear_shm=False,
+        api_key_file="/secrets/api-key",
+        signing_key_file="/secrets/signing-key",
+        dump_timeout=45.0,
+        checkpoint_timeout=120.0,
+        prefetch_timeout=33.0,
+        proxy_timeout=7.5,
+        proxy_max_body_mb=8,
+        proxy_max_concurrency=3,
         vllm_args=["--dtype", "float32", "--seed", "7"],
     )
     defaults = AgentArgs()

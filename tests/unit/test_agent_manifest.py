@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from blake3 import blake3
 from rekindle_agent import manifest_io, prefetch
 from rekindle_contract.manifest import MANIFEST_FORMAT, MANIFEST_NAME, FileEntry, Manifest
 
@@ -32,14 +33,29 @@ def _doc(files: list[FileEntry]) -> dict[str, Any]:
     }
 
 
-def test_checksums_match_hashlib(tmp_path: Path) -> None:
+def test_checksums_match_blake3(tmp_path: Path) -> None:
     root, entries = _ckpt(tmp_path)
     assert [e["path"] for e in entries] == ["images/core-1.img", "images/pages-1.img", "shm/psm_1"]
     for e in entries:
         data = (root / e["path"]).read_bytes()
         assert e["size"] == len(data)
-        assert e["sha256"] == hashlib.sha256(data).hexdigest()
-        assert e.get("crc32") == f"{zlib.crc32(data):08x}"
+        assert e.get("blake3") == blake3(data).hexdigest()
+
+
+def _older(entries: list[FileEntry], root: Path) -> list[FileEntry]:
+    """The same files as an older agent recorded them: sha256 and crc32, no blake3."""
+    out: list[FileEntry] = []
+    for e in entries:
+        data = (root / e["path"]).read_bytes()
+        out.append(
+            {
+                "path": e["path"],
+                "size": e["size"],
+                "sha256": hashlib.sha256(data).hexdigest(),
+                "crc32": f"{zlib.crc32(data):08x}",
+            }
+        )
+    return out
 
 
 def test_write_read_and_verified_marker(tmp_path: Path) -> None:
@@ -80,9 +96,11 @@ def test_read_reasons(tmp_path: Path) -> None:
     assert e.value.reason == "manifest_invalid"
 
 
-@pytest.mark.parametrize("algo", ["crc32", "sha256"])
+@pytest.mark.parametrize("algo", ["blake3", "crc32", "sha256"])
 def test_size_check_and_prefetch_hash_catch_damage(tmp_path: Path, algo: str) -> None:
     root, entries = _ckpt(tmp_path)
+    if algo != "blake3":
+        entries = _older(entries, root)
     manifest_io.check_sizes(root, entries)
     assert prefetch.Prefetcher(root, entries, threads=2, verify=algo).result().bad == []
     pages = root / "images" / "pages-1.img"

@@ -7,14 +7,28 @@ import base64
 import pytest
 from rekindle_contract.agent_args import AGENT_COMMAND
 from rekindle_contract.api import SERVE_PORT
-from rekindle_contract.pod import CHECKPOINT_ENV, CHECKPOINT_MOUNT, TOKEN_KEY
+from rekindle_contract.pod import (
+    API_KEY_DIR,
+    API_KEY_ENV,
+    API_KEY_FILE,
+    API_KEY_KEY,
+    CHECKPOINT_ENV,
+    CHECKPOINT_MOUNT,
+    IMAGE_ENV,
+    SIGNING_KEY_ENV,
+    SIGNING_KEY_FILE,
+    SIGNING_KEY_KEY,
+    TOKEN_DIR,
+    TOKEN_FILE,
+    TOKEN_KEY,
+)
 from rekindle_contract.vllm_argv import VllmOptions, vllm_argv
 from rekindle_operator import builders as b
 from rekindle_operator.agent_command import agent_args
 from rekindle_operator.constants import NAME_LABEL, SERVING_LABEL
 from rekindle_operator.quantity import to_bytes
 from rekindle_operator.shm_sizing import effective_shm_bytes, shm_need, shm_shortfall
-from rekindle_operator.spec import IsvcSpec, parse_spec
+from rekindle_operator.spec import IsvcSpec, SpecError, parse_spec
 
 OWNER = {"kind": "InferenceService", "metadata": {"name": "tiny", "uid": "u-1"}}
 
@@ -190,13 +204,102 @@ def test_restart_token_changes_pod_template() -> None:
 def test_cleanup_job_only_below_checkpoint_mount() -> None:
     s = tiny(coldStart={"storage": {"type": "hostPath", "hostPath": {"path": "/data/ck"}}})
     vol = b.checkpoint_volume(s)
-    job = b.build_cleanup_job("ns", "c1", f"{CHECKPOINT_MOUNT}/tiny/c1-abc", vol, s.image)
+    job = b.build_cleanup_job("ns", "c1", "uid-1", f"{CHECKPOINT_MOUNT}/c1-abc", vol, s.image)
     pod = job["spec"]["template"]["spec"]
     assert pod["containers"][0]["command"][-1].endswith("c1-abc")
     assert pod["volumes"][0]["hostPath"]["path"] == "/data/ck"
     for bad in ("/etc", f"{CHECKPOINT_MOUNT}/../x", CHECKPOINT_MOUNT):
         with pytest.raises(ValueError, match="refusing"):
-            b.build_cleanup_job("ns", "c1", bad, vol, s.image)
+            b.build_cleanup_job("ns", "c1", "uid-1", bad, vol, s.image)
+    with pytest.raises(ValueError, match="refusing"):
+        b.build_cleanup_job("ns", "c1", "u", f"{CHECKPOINT_MOUNT}/x", vol, s.image, sub_path="../a")
+
+
+def test_cleanup_job_names_are_unique_per_checkpoint_object() -> None:
+    vol = b.checkpoint_volume(tiny())
+    path = f"{CHECKPOINT_MOUNT}/c-1"
+    long = "c" * 70
+    names = {
+        b.build_cleanup_job("ns", n, uid, path, vol, "img")["metadata"]["name"]
+        for n, uid in (
+            ("c1", "aaaaaaaa-1"),
+            ("c1", "bbbbbbbb-2"),
+            (long, "cccccccc"),
+            (long + "x", "dddddddd"),
+        )
+    }
+    assert len(names) == 4
+    assert all(len(n) <= 63 and not n.endswith("-") for n in names)
+
+
+def test_hostpath_cleanup_runs_on_the_node_with_the_data() -> None:
+    s = tiny(coldStart={"storage": {"type": "hostPath", "hostPath": {"path": "/data/ck"}}})
+    job = b.build_cleanup_job(
+        "ns",
+        "c1",
+        "u1",
+        f"{CHECKPOINT_MOUNT}/c1-u1",
+        b.checkpoint_volume(s),
+        s.image,
+        sub_path="ns/tiny",
+        node="node-7",
+    )
+    pod = job["spec"]["template"]["spec"]
+    terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert terms["nodeSelectorTerms"] == [
+        {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["node-7"]}]}
+    ]
+    assert pod["containers"][0]["volumeMounts"][0]["subPath"] == "ns/tiny"
+    assert pod["automountServiceAccountToken"] is False
+    assert pod["containers"][0]["securityContext"]["privileged"] is False
+    # A PVC follows its volume's own node affinity: no pin.
+    pvc_job = b.build_cleanup_job(
+        "ns",
+        "c1",
+        "u1",
+        f"{CHECKPOINT_MOUNT}/c1-u1",
+        b.checkpoint_volume(tiny()),
+        "img",
+        node="node-7",
+    )
+    assert "affinity" not in pvc_job["spec"]["template"]["spec"]
+
+
+def test_pods_see_only_their_own_checkpoint_directory_and_no_api_token() -> None:
+    dep = deployment(tiny())
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False
+    mounts = {m["name"]: m for m in container(dep)["volumeMounts"]}
+    assert mounts["checkpoints"]["mountPath"] == CHECKPOINT_MOUNT
+    assert mounts["checkpoints"]["subPath"] == "ns/tiny" == b.storage_subpath("ns", "tiny")
+    assert mounts["agent-token"]["readOnly"] is True
+    other = deployment(parse_spec("tiny", "team-b", {"model": {"source": "/m"}}))
+    other_mount = next(m for m in container(other)["volumeMounts"] if m["name"] == "checkpoints")
+    assert other_mount["subPath"] == "team-b/tiny"
+    assert b.checkpoint_path("c1", "0123456789") == f"{CHECKPOINT_MOUNT}/c1-01234567"
+
+
+def test_network_policy_admin_port_only_from_the_operator() -> None:
+    np = b.build_network_policy(tiny(), "rekindle-system", {"app": "op"}, owner=OWNER)
+    assert np["kind"] == "NetworkPolicy" and np["metadata"]["namespace"] == "ns"
+    assert np["metadata"]["ownerReferences"][0]["name"] == "tiny"
+    spec = np["spec"]
+    assert spec["podSelector"] == {"matchLabels": {NAME_LABEL: "tiny"}}
+    assert spec["policyTypes"] == ["Ingress"]
+    serve, admin = spec["ingress"]
+    assert serve == {"ports": [{"port": "http", "protocol": "TCP"}]}  # from anywhere
+    assert admin["ports"] == [{"port": "admin", "protocol": "TCP"}]
+    assert admin["from"] == [
+        {
+            "namespaceSelector": {
+                "matchLabels": {"kubernetes.io/metadata.name": "rekindle-system"}
+            },
+            "podSelector": {"matchLabels": {"app": "op"}},
+        }
+    ]
+    # The named ports exist on the container.
+    ports = {p["name"] for p in container(deployment(tiny()))["ports"]}
+    assert {"http", "admin"} <= ports
 
 
 def test_container_can_run_criu() -> None:
@@ -211,3 +314,55 @@ def test_workers_bind_loopback_so_a_new_pod_ip_does_not_break_restore() -> None:
     mine = tiny(env=[{"name": "GLOO_SOCKET_IFNAME", "value": "eth1"}])
     names = [e["name"] for e in container(deployment(mine))["env"]]
     assert names.count("GLOO_SOCKET_IFNAME") == 1
+
+
+def test_signing_key_secret_and_its_read_only_mount() -> None:
+    s = tiny()
+    sec = b.build_signing_secret(s, owner=OWNER)
+    assert sec["metadata"]["name"] == "tiny-signing-key"
+    key = base64.b64decode(sec["data"][SIGNING_KEY_KEY])
+    assert len(key) >= 32
+    assert b.build_signing_secret(s)["data"] != sec["data"]  # random per InferenceService
+    dep = deployment(s)
+    vols = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    proj = vols["agent-token"]["projected"]
+    assert proj["defaultMode"] == 0o400
+    assert [src["secret"]["name"] for src in proj["sources"]] == [
+        "tiny-agent-token",
+        "tiny-signing-key",
+    ]
+    items = [i["path"] for src in proj["sources"] for i in src["secret"]["items"]]
+    assert [f"{TOKEN_DIR}/{p}" for p in items] == [TOKEN_FILE, SIGNING_KEY_FILE]
+    mounts = {m["name"]: m for m in container(dep)["volumeMounts"]}
+    assert mounts["agent-token"] == {
+        "name": "agent-token",
+        "mountPath": TOKEN_DIR,
+        "readOnly": True,
+    }
+    env = {e["name"]: e.get("value") for e in container(dep)["env"]}
+    assert env[SIGNING_KEY_ENV] == SIGNING_KEY_FILE
+    assert env[IMAGE_ENV] == s.image
+    assert API_KEY_ENV not in env and "api-key" not in vols
+
+
+def test_api_key_from_the_users_secret() -> None:
+    s = tiny(apiKeySecretRef={"name": "my-keys", "key": "serve"})
+    assert s.api_key_secret == ("my-keys", "serve")
+    dep = deployment(s)
+    vols = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    assert vols["api-key"]["secret"] == {
+        "secretName": "my-keys",
+        "items": [{"key": "serve", "path": API_KEY_KEY}],
+        "defaultMode": 0o400,
+    }
+    mounts = {m["name"]: m for m in container(dep)["volumeMounts"]}
+    assert mounts["api-key"] == {"name": "api-key", "mountPath": API_KEY_DIR, "readOnly": True}
+    env = {e["name"]: e.get("value") for e in container(dep)["env"]}
+    assert env[API_KEY_ENV] == API_KEY_FILE
+    assert tiny(apiKeySecretRef={"name": "k"}).api_key_secret == ("k", "api-key")
+
+
+@pytest.mark.parametrize("name", ["REKINDLE_IMAGE", "REKINDLE_CHECKPOINT", "REKINDLE_API_KEY_FILE"])
+def test_env_the_operator_manages_is_refused(name: str) -> None:
+    with pytest.raises(SpecError, match=f"spec.env sets {name}"):
+        tiny(env=[{"name": name, "value": "x"}])

@@ -17,7 +17,9 @@ from rekindle_operator import checkpointing as cp
 from rekindle_operator.kube import KubeError
 from rekindle_operator.pods import Agents
 from rekindle_operator.reconcile import reconcile, spec_of
+from rekindle_operator.settings import Settings
 from rekindle_operator.spec_fingerprint import spec_fingerprint
+from rekindle_operator.status import now_iso
 
 
 def merge(into: dict[str, Any], patch: Mapping[str, Any]) -> dict[str, Any]:
@@ -75,7 +77,9 @@ class FakeKube:
         try:
             self.create(obj)
             return True
-        except KubeError:
+        except KubeError as e:
+            if e.status != 409:
+                raise
             return False
 
     def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]:
@@ -177,13 +181,21 @@ def isvc_obj(name: str) -> dict[str, Any]:
     }
 
 
-def pod_obj(name: str, isvc: str = "tiny", ip: str = "10.244.0.9") -> dict[str, Any]:
+def current_fingerprint(isvc: str = "tiny") -> str:
+    return spec_fingerprint(spec_of({**isvc_obj(isvc)}))
+
+
+def pod_obj(
+    name: str, isvc: str = "tiny", ip: str = "10.244.0.9", fingerprint: str | None = None
+) -> dict[str, Any]:
+    """A ready pod started from the current spec (its template's fingerprint annotation)."""
     return {
         "kind": "Pod",
         "metadata": {
             "name": name,
             "namespace": NS,
             "labels": {"rekindle.dev/inferenceservice": isvc, "rekindle.dev/serving": "true"},
+            "annotations": {"rekindle.dev/fingerprint": fingerprint or current_fingerprint(isvc)},
         },
         "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]},
     }
@@ -253,7 +265,7 @@ def test_checkpoint_ready_pod_out_of_rotation_then_back() -> None:
     assert st["phaseSeconds"] == {"drain": 0.01, "dump": 2.5, "verify": 1.25}
     isvc = kube.get("InferenceService", NS, "tiny")
     assert st["fingerprint"] == spec_fingerprint(spec_of(isvc))  # type: ignore[arg-type]
-    assert st["path"] == b.checkpoint_path("tiny", "c1", "0123456789")
+    assert st["path"] == b.checkpoint_path("c1", "0123456789")
     assert agent.checkpoints == [st["path"]]
     assert set(agent.urls) == {"http://10.244.0.9:8081"} and agent.token == "tok"
     assert seen == [None]  # out of the Service while checkpointing
@@ -388,7 +400,7 @@ def test_finished_checkpoints_are_left_alone() -> None:
 
 def running(kube: FakeKube) -> dict[str, Any]:
     """A Checkpoint another operator process started (this one has no call for it)."""
-    path = b.checkpoint_path("tiny", "c1", "0123456789")
+    path = b.checkpoint_path("c1", "0123456789")
     kube.merge_patch(
         "Pod", NS, "tiny-abc", {"metadata": {"labels": {"rekindle.dev/serving": None}}}
     )
@@ -464,11 +476,146 @@ def test_delete_policy_survives_the_inference_service() -> None:
     drive(kube, agents, events)
     body = kube.get("Checkpoint", NS, "c1")
     kube.delete("InferenceService", NS, "tiny")
+    kube.delete("Pod", NS, "tiny-abc")  # garbage-collected with it
     assert cp.delete_data(kube, body, lambda *e: events.append(e), agents).startswith("deleting")  # type: ignore[arg-type]
     (job,) = [o for (k, _, _), o in kube.objs.items() if k == "Job"]
     assert job["spec"]["template"]["spec"]["containers"][0]["command"][-1] == body["status"]["path"]  # type: ignore[index]
     body["spec"]["deletionPolicy"] = "Retain"  # type: ignore[index]
     assert cp.delete_data(kube, body, lambda *e: None, agents).startswith("retained")  # type: ignore[arg-type]
+
+
+def _ready_hostpath_checkpoint(kube: FakeKube, events: Events) -> dict[str, Any]:
+    kube.merge_patch(
+        "InferenceService",
+        NS,
+        "tiny",
+        {"spec": {"coldStart": {"storage": {"type": "hostPath", "hostPath": {"path": "/d"}}}}},
+    )
+    # The pod template's fingerprint follows the spec (hostPath is not part of it).
+    kube.merge_patch("Pod", NS, "tiny-abc", {"spec": {"nodeName": "node-a"}})
+    new_ckpt(kube)
+    drive(kube, Agents(FakeAgent(manifest=MANIFEST)), events)
+    body = kube.get("Checkpoint", NS, "c1")
+    assert body is not None and body["status"]["phase"] == "Ready"
+    return body
+
+
+def test_data_that_pods_map_is_kept_until_they_are_gone() -> None:
+    kube, events = world()
+    body = _ready_hostpath_checkpoint(kube, events)
+    st = body["status"]
+    assert st["subPath"] == "ns/tiny" and st["node"] == "node-a"
+    assert st["path"] == b.checkpoint_path("c1", "0123456789")
+    # The pod that made it verified it by restoring it: it maps the files now.
+    ann = kube.get("Pod", NS, "tiny-abc")["metadata"]["annotations"]  # type: ignore[index]
+    assert ann["rekindle.dev/restored-from"] == st["path"]
+    # A replica restored from it, and one still coming up since it became Ready.
+    restored = pod_obj("tiny-r", ip="10.0.0.2")
+    restored["metadata"]["annotations"].update(
+        {"rekindle.dev/boot-path": "restored", "rekindle.dev/restored-from": f"/x,{st['path']}"}
+    )
+    kube.put(restored)
+    booting = pod_obj("tiny-new", ip="10.0.0.3")
+    booting["metadata"]["creationTimestamp"] = "2999-01-01T00:00:00Z"
+    kube.put(booting)
+    booted_earlier = pod_obj("tiny-old", ip="10.0.0.4")
+    booted_earlier["metadata"]["annotations"]["rekindle.dev/boot-path"] = "booted"
+    kube.put(booted_earlier)
+    agents = Agents(FakeAgent())
+    with pytest.raises(cp.Retry, match="tiny-abc, tiny-new, tiny-r use it"):
+        cp.delete_data(kube, body, lambda *e: events.append(e), agents)
+    assert not [k for (k, _, _) in kube.objs if k == "Job"]
+    # A pod that has not said how it came up stops blocking after the timeout.
+    with pytest.raises(cp.Retry, match="tiny-abc, tiny-r use it"):
+        cp.delete_data(kube, body, lambda *e: None, agents, waited_s=10_000)
+    for pod in ("tiny-abc", "tiny-r", "tiny-new"):
+        kube.delete("Pod", NS, pod)
+    assert cp.delete_data(kube, body, lambda *e: events.append(e), agents).startswith("deleting")
+    (job,) = [o for (k, _, _), o in kube.objs.items() if k == "Job"]
+    assert job["metadata"]["name"] == "rm-c1-01234567"
+    pod = job["spec"]["template"]["spec"]
+    assert pod["volumes"][0]["hostPath"]["path"] == "/d"
+    assert pod["containers"][0]["volumeMounts"][0]["subPath"] == "ns/tiny"
+    assert pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ][0]["matchFields"][0]["values"] == ["node-a"]
+
+
+class ForbiddenJobs(FakeKube):
+    def __init__(self, message: str, namespace: str = NS) -> None:
+        super().__init__()
+        self.message = message
+        self.namespace = namespace
+
+    def create(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        if obj["kind"] == "Job" and obj["metadata"]["namespace"] == self.namespace:
+            raise KubeError(403, self.message)
+        return super().create(obj)
+
+
+def _move(kube: FakeKube, into: FakeKube) -> FakeKube:
+    into.objs = kube.objs
+    return into
+
+
+def test_a_terminating_namespace_never_waits_on_the_cleanup_job() -> None:
+    kube, events = world()
+    body = _ready_hostpath_checkpoint(kube, events)
+    kube.delete("Pod", NS, "tiny-abc")
+    terminating = _move(
+        kube,
+        ForbiddenJobs(
+            "jobs is forbidden: unable to create new content in namespace ns because it is "
+            "being terminated"
+        ),
+    )
+    out = cp.delete_data(terminating, body, lambda *e: events.append(e), Agents(FakeAgent()))
+    assert "left in place" in out and "/d/ns/tiny/c1-01234567 on node node-a" in out
+    assert ("Warning", "CheckpointDataRetained", out) in events
+    # With the operator's namespace known, hostPath data is removed from there.
+    settings = Settings(operator_namespace="rk-system", operator_labels={"a": "b"})
+    out = cp.delete_data(terminating, body, lambda *e: None, Agents(FakeAgent()), 0, settings)
+    assert out.startswith("deleting")
+    (job,) = [o for (k, _, _), o in terminating.objs.items() if k == "Job"]
+    assert job["metadata"]["namespace"] == "rk-system"
+    assert job["metadata"]["name"] == "rm-ns-c1-01234567"
+
+
+def test_cleanup_job_failures_are_retried_then_let_go() -> None:
+    kube, events = world()
+    body = _ready_hostpath_checkpoint(kube, events)
+    kube.delete("Pod", NS, "tiny-abc")
+    denied = _move(kube, ForbiddenJobs("jobs.batch is forbidden: User cannot create"))
+    with pytest.raises(cp.Retry, match="cannot create the cleanup Job yet"):
+        cp.delete_data(denied, body, lambda *e: None, Agents(FakeAgent()), waited_s=5)
+    out = cp.delete_data(denied, body, lambda *e: events.append(e), Agents(FakeAgent()), 301)
+    assert "left in place: no cleanup Job after 301s" in out
+    assert events[-1][:2] == ("Warning", "CheckpointDataRetained")
+
+
+def test_has_data_decides_whether_a_finalizer_is_needed() -> None:
+    st = {"phase": "Ready", "path": "/p", "volume": {"hostPath": {}}, "image": "i"}
+    assert cp.has_data({"spec": {}, "status": st})
+    assert not cp.has_data({"spec": {"deletionPolicy": "Retain"}, "status": st})
+    assert not cp.has_data({"spec": {}, "status": {"phase": "Failed", "reason": "NoReadyPod"}})
+    assert cp.has_data({"spec": {"deletionPolicy": "Retain"}, "status": {"phase": "Running"}})
+
+
+def test_only_pods_of_the_current_spec_are_checkpointed() -> None:
+    kube, events = world()
+    kube.delete("Pod", NS, "tiny-abc")
+    kube.put(pod_obj("tiny-old", fingerprint="0000000000000000"))
+    agent = FakeAgent(manifest=MANIFEST)
+    new_ckpt(kube)
+    kube.merge_patch("Checkpoint", NS, "c1", {"metadata": {"creationTimestamp": now_iso()}})
+    st = cp.step(kube, kube.get("Checkpoint", NS, "c1"), lambda *e: None, Agents(agent))  # type: ignore[arg-type]
+    assert st["phase"] == "Pending" and st["reason"] == "WaitingForPod"
+    assert "tiny-old: runs an older spec" in st["message"]
+    assert agent.checkpoints == []
+    kube.put(pod_obj("tiny-new"))
+    st = drive(kube, Agents(agent), events)
+    assert st["phase"] == "Ready" and st["pod"] == "tiny-new"
+    assert st["fingerprint"] == current_fingerprint()
 
 
 def test_reconcile_creates_objects_and_points_at_checkpoint() -> None:
@@ -515,6 +662,10 @@ def test_reconcile_creates_objects_and_points_at_checkpoint() -> None:
     ann = kube.get("Pod", NS, "tiny-abc")["metadata"]["annotations"]  # type: ignore[index]
     assert ann["rekindle.dev/boot-path"] == "restored"
     assert ann["rekindle.dev/agent-ready-seconds"] == "3.500"
+    # Its data is kept while this pod lives (Checkpoint deletion reads this).
+    assert ann["rekindle.dev/restored-from"] == "/c/good"
+    # No NetworkPolicy unless the operator knows where it runs (the chart says so).
+    assert "NetworkPolicy" not in {k for k, _, _ in kube.objs}
     token = kube.get("Secret", NS, "tiny-agent-token")["data"]["token"]  # type: ignore[index]
     # After a checkpoint the agent's ready_at moves on; the pod keeps its first figure.
     agent.statuses = [
@@ -544,3 +695,34 @@ def test_reconcile_refuses_undersized_shm_without_touching_deployment() -> None:
     assert kube.get("Deployment", NS, "tiny") is None
     warn = [m for k, r, m in events if r == "SharedMemorySizedBelowNeed"]
     assert warn and "600Mi" in warn[0] and "Mi (message queues" in warn[0]
+
+
+def test_reconcile_refuses_images_outside_the_allowed_list() -> None:
+    kube, events = world()
+    isvc = kube.get("InferenceService", NS, "tiny")
+    allowed = Settings(allowed_images=("registry.example/rekindle/*", "other:1"))
+    st = reconcile(kube, isvc, lambda *e: events.append(e), Agents(FakeAgent()), allowed)  # type: ignore[arg-type]
+    assert st["phase"] == "Failed"
+    assert "rekindle.local/runtime-cpu:dev" in st["message"] and "not an allowed" in st["message"]
+    assert kube.get("Deployment", NS, "tiny") is None
+    assert events[-1][:2] == ("Warning", "InvalidSpec")
+    kube.merge_patch(
+        "InferenceService",
+        NS,
+        "tiny",
+        {"spec": {"runtime": {"image": "registry.example/rekindle/rt:2"}}},
+    )
+    isvc = kube.get("InferenceService", NS, "tiny")
+    st = reconcile(kube, isvc, lambda *e: None, Agents(FakeAgent()), allowed)  # type: ignore[arg-type]
+    assert st["phase"] != "Failed"
+    assert kube.get("Deployment", NS, "tiny") is not None
+
+
+def test_reconcile_creates_the_network_policy_when_the_operator_knows_its_pods() -> None:
+    kube, _ = world()
+    isvc = kube.get("InferenceService", NS, "tiny")
+    settings = Settings(operator_namespace="rk-system", operator_labels={"app": "op"})
+    reconcile(kube, isvc, lambda *e: None, Agents(FakeAgent()), settings)  # type: ignore[arg-type]
+    np = kube.get("NetworkPolicy", NS, "tiny-agent")
+    assert np is not None
+    assert np["spec"]["ingress"][1]["from"][0]["podSelector"] == {"matchLabels": {"app": "op"}}

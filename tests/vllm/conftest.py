@@ -53,6 +53,8 @@ def shadow_checkpoint(src: Path, dst: Path) -> Path:
         (dst / rel).mkdir(mode=0o700, parents=True, exist_ok=True)
         for name in files:
             s, d = Path(dirpath) / name, dst / rel / name
+            if name == "stats-restore":
+                continue  # CRIU's output at each restore, not part of the checkpoint
             if name in ("manifest.json", "verified"):
                 d.write_bytes(s.read_bytes())
             else:

@@ -41,6 +41,25 @@ app.kubernetes.io/component: operator
 {{- end }}
 {{- end }}
 
+{{/*
+The namespaces the operator watches, as a JSON list: watchNamespaces, else the
+release's own namespace; empty (all namespaces) only with rbac.clusterWide.
+*/}}
+{{- define "rekindle.watchNamespaces" -}}
+{{- if .Values.rbac.clusterWide -}}
+{{- toJson (list) -}}
+{{- else if .Values.watchNamespaces -}}
+{{- toJson .Values.watchNamespaces -}}
+{{- else -}}
+{{- toJson (list .Release.Namespace) -}}
+{{- end -}}
+{{- end }}
+
+{{/* The runtime images InferenceServices may use, one per line. */}}
+{{- define "rekindle.allowedImages" -}}
+{{- join "\n" .Values.allowedRuntimeImages -}}
+{{- end }}
+
 {{/* The namespaced permissions: exactly the objects the operator reads and writes. */}}
 {{- define "rekindle.namespacedRules" -}}
 # InferenceService and Checkpoint: watched; kopf patches metadata (finalizers,
@@ -73,6 +92,10 @@ app.kubernetes.io/component: operator
 - apiGroups: ["batch"]
   resources: ["jobs"]
   verbs: ["get", "create"]
+# Each InferenceService's NetworkPolicy (only the operator reaches the agent's admin port).
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "create", "patch"]
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]

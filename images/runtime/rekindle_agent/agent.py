@@ -6,6 +6,13 @@ whenever a restore fails. Blocking work (boot, CRIU, hashing) runs in worker
 threads; the HTTP side (server.py) only reads state and counts requests. The
 flows themselves (checkpoint.py, restore.py) get only what they use: the
 process tree, the vLLM client, CRIU's capabilities and the settings.
+
+Every checkpoint ends in a defined state: Ready with vLLM serving (the same
+tree, or a new boot when the old one is gone), the partial directory removed
+and the reason in status.last_checkpoint; or, when the watchdog finds it
+stuck past --checkpoint-timeout, Failed (terminal: the liveness probe
+restarts the container), with CRIU and vLLM's tree killed and the directory
+removed.
 """
 
 from __future__ import annotations
@@ -20,17 +27,25 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rekindle_contract.api import State, StatusDoc
-from rekindle_contract.manifest import Manifest
-from rekindle_contract.vllm_argv import vllm_argv
+from rekindle_contract.api import SecurityDoc, State, StatusDoc
+from rekindle_contract.manifest import SIGNATURE_ALGORITHM, Manifest
 
-from rekindle_agent import checkpoint, criu, fingerprint, manifest_io, reaper, restore, shm_files
+from rekindle_agent import (
+    checkpoint,
+    criu,
+    fingerprint,
+    manifest_io,
+    reaper,
+    restore,
+    shm_files,
+    signing,
+)
 from rekindle_agent.config import AgentConfig
 from rekindle_agent.early import EarlyStart
 from rekindle_agent.metrics import Metrics
 from rekindle_agent.state import Status
 from rekindle_agent.vllm_control import VllmControl
-from rekindle_agent.vllm_launch import VLLM_HOST, vllm_env, vllm_options
+from rekindle_agent.vllm_launch import VLLM_HOST, vllm_command
 from rekindle_agent.vllm_process import VllmProcess
 
 log = logging.getLogger("rekindle.agent")
@@ -50,19 +65,41 @@ def set_ns_last_pid(floor: int) -> None:
 
 
 class Agent:
-    def __init__(self, cfg: AgentConfig, token: bytes, early: EarlyStart | None = None) -> None:
+    def __init__(
+        self,
+        cfg: AgentConfig,
+        token: bytes,
+        early: EarlyStart | None = None,
+        *,
+        api_key: bytes | None = None,
+        signing_key: bytes | None = None,
+    ) -> None:
         self.cfg = cfg
         self.token = token
-        self.early = early or EarlyStart()
+        self.api_key = api_key  # the serve port's key (None: no key)
+        self.signing_key = signing_key  # signs and checks manifests (None: unsigned)
+        self.early = early or EarlyStart(signing_key)
         self.status = Status()
+        self.status.security = SecurityDoc(
+            checkpoint_signing=SIGNATURE_ALGORITHM if signing_key else "unsigned",
+            signing_key_id=signing.key_id(signing_key) if signing_key else None,
+            verify=cfg.verify_checksums,
+            serve_api_key=api_key is not None,
+        )
+        if signing_key is None:
+            log.warning(
+                "no --signing-key-file: checkpoints are written and restored unsigned "
+                "(anyone who can write the checkpoint volume decides what is restored)"
+            )
         self.metrics = Metrics()
         self.metrics.set_state("Booting")
         self.reaper = reaper.Reaper()
         with contextlib.suppress(OSError):
             reaper.become_subreaper()
+        argv, env = vllm_command(cfg)
         self.vllm = VllmProcess(
-            vllm_argv(vllm_options(cfg)),
-            vllm_env(cfg.device, run_dir=cfg.run_dir),
+            argv,
+            env,
             os.path.join(cfg.run_dir, "vllm.log"),
             self.reaper,
             seccomp_io_uring=cfg.seccomp_io_uring,
@@ -73,6 +110,11 @@ class Agent:
         self._fingerprint: dict[str, Any] | None = None
         self.t_start = time.monotonic()
         self.stopping = False
+        # The watchdog: (deadline, what, checkpoint dir) of the checkpoint running now.
+        self._guard: tuple[float, str, Path | None] | None = None
+        self._guard_lock = threading.Lock()
+        self.terminal = False  # the watchdog gave up: Failed until the container restarts
+        self.flow_aborted = threading.Event()
 
     # -- helpers used by the flows -------------------------------------------------
     def criu_info(self) -> criu.CriuInfo:
@@ -80,10 +122,18 @@ class Agent:
 
     def fingerprint(self) -> dict[str, Any]:
         if self._fingerprint is None:
-            self._fingerprint = fingerprint.collect(self.cfg.model, self.vllm.argv, self.cfg.device)
+            fp = self.early.fingerprint()
+            if fp is None or fp.get("vllm_argv") != fingerprint.normalize_argv(self.vllm.argv):
+                fp = fingerprint.collect(
+                    self.cfg.model, self.vllm.argv, self.cfg.device, self.vllm.env
+                )
+            self._fingerprint = fp
         return dict(self._fingerprint)
 
     def set_state(self, new: State, message: str = "") -> None:
+        if self.terminal and new != "Failed":
+            log.warning("state %s ignored: the watchdog ended this agent (%s)", new, message)
+            return
         if self.status.state != new:
             self.status.set_state(new, message)
         else:
@@ -113,6 +163,9 @@ class Agent:
         cfg = self.cfg
         if self.stopping:
             raise RuntimeError("agent is stopping; not booting vLLM")
+        if self.terminal:
+            raise RuntimeError("the watchdog ended this agent; not booting vLLM")
+        self.unguard()  # a boot is bounded by --boot-timeout, not the checkpoint's watchdog
         self.set_state("Booting", "starting vLLM")
         t0 = time.monotonic()
         os.makedirs(os.path.join(cfg.run_dir, "tmp"), mode=0o700, exist_ok=True)
@@ -149,6 +202,7 @@ class Agent:
         self.set_state("Restoring", f"restoring from {ckpt}")
         try:
             use_mmap = self.mmap_for_restore() if mmap is None else mmap
+            early = self.early.take_prefetcher(ckpt)
             phases = restore.restore(
                 ckpt,
                 self.vllm,
@@ -156,12 +210,16 @@ class Agent:
                 self.criu_info(),
                 self.cfg,
                 fp=self.fingerprint,
-                prefetcher=self.early.take_prefetcher(ckpt),
+                prefetcher=early[1] if early else None,
+                manifest=early[0] if early else None,
                 require_verified=require_verified,
                 mmap=use_mmap,
+                key=self.signing_key,
             )
         except Exception as e:  # a bug must not crash-loop the pod either
             self._fell_back(ckpt, e)
+            if self.terminal:
+                return False
             if boot_on_failure:
                 self.boot()
             else:
@@ -211,38 +269,149 @@ class Agent:
                 if self.status.state != "Failed":
                     self.set_state("Failed", f"start failed: {e}")
 
-    def run_checkpoint(self, ckpt: Path) -> Manifest:
-        """Called with the proxy drained (state Checkpointing). Dump, then prove by restoring."""
-        try:
-            man = self._dump(ckpt)
-        except checkpoint.CheckpointError as e:
-            self.metrics.checkpoints.labels("failed").inc()
-            self.status.last_checkpoint = {"dir": str(ckpt), "ok": False, "error": str(e)}
-            # Half a checkpoint is of no use (no manifest); the same dir may be retried.
-            shutil.rmtree(ckpt, ignore_errors=True)
-            if e.serving and self.vllm.alive():
-                self.set_state("Ready", f"checkpoint failed, still serving: {e}")
-            else:
-                self.vllm.kill()
-                self.boot()
-            raise
-        self.metrics.observe_phases(self.metrics.checkpoint_phase_seconds, man["timings"])
-        # Prove it: restore with the copying (stock) restore, so this pod's process
-        # does not depend on the image files and can be checkpointed again.
-        restored = self.restore_or_fallback(ckpt, require_verified=False, mmap=False)
-        if not restored:
-            self.metrics.checkpoints.labels("failed").inc()
-            reason = self.status.last_fallback or {}
+    # -- checkpoint and its watchdog -------------------------------------------------
+    def guard(self, what: str, ckpt: Path | None) -> None:
+        """Arm the watchdog for a checkpoint starting now (--checkpoint-timeout)."""
+        with self._guard_lock:
+            self._guard = (time.monotonic() + self.cfg.checkpoint_timeout, what, ckpt)
+
+    def unguard(self) -> None:
+        with self._guard_lock:
+            self._guard = None
+
+    def check_watchdog(self, now: float | None = None) -> bool:
+        """Fire if the armed checkpoint is past its deadline; True if it fired."""
+        with self._guard_lock:
+            guard = self._guard
+            if guard is None or (now if now is not None else time.monotonic()) < guard[0]:
+                return False
+            self._guard = None
+        _deadline, what, ckpt = guard
+        state = self.status.state
+        message = (
+            f"{what} was stuck in {state} for more than --checkpoint-timeout "
+            f"{self.cfg.checkpoint_timeout:g}s; CRIU and vLLM were killed and the agent "
+            "gave up (the liveness probe restarts the container)"
+        )
+        log.error("watchdog: %s", message)
+        self.terminal = True  # from here the stuck flow changes nothing
+        self.set_state("Failed", message)
+        self.metrics.checkpoints.labels("failed").inc()
+        self.reaper.kill_running()
+        with contextlib.suppress(Exception):
+            self.vllm.kill(remove_shm=True)
+        removed = self._remove_partial(ckpt)
+        if ckpt is not None:
             self.status.last_checkpoint = {
                 "dir": str(ckpt),
                 "ok": False,
-                "error": f"verification restore failed: {reason}",
+                "reason": "watchdog",
+                "error": message + removed,
             }
-            raise checkpoint.CheckpointError(
-                f"dumped, but restoring it failed ({reason.get('reason')}): "
-                f"{reason.get('message')}; vLLM was booted again"
+        self.flow_aborted.set()  # all recorded: the waiting request may answer
+        return True
+
+    def _remove_partial(self, ckpt: Path | None) -> str:
+        """Remove a failed checkpoint's directory; a note for the status if that failed."""
+        if ckpt is None or not os.path.lexists(ckpt):
+            return ""
+        if os.path.realpath(ckpt) != str(ckpt):  # never follow a symlink out of the root
+            return f"; {ckpt} was not removed: it now resolves to {os.path.realpath(ckpt)}"
+        try:
+            shutil.rmtree(ckpt)
+        except OSError as e:
+            log.warning("could not remove the partial checkpoint %s: %s", ckpt, e)
+            return f"; the partial checkpoint {ckpt} could not be removed: {e}"
+        return ""
+
+    def _checkpoint_failed(self, ckpt: Path, err: checkpoint.CheckpointError) -> None:
+        """Record why, remove what was written, and serve again (the same tree, or a new boot)."""
+        if self.terminal:
+            return  # the watchdog already ended it
+        self.metrics.checkpoints.labels("failed").inc()
+        error = str(err) + self._remove_partial(ckpt)
+        self.status.last_checkpoint = {
+            "dir": str(ckpt),
+            "ok": False,
+            "reason": err.reason,
+            "error": error,
+        }
+        log.warning("checkpoint to %s failed (%s): %s", ckpt, err.reason, err)
+        if self.status.state == "Failed":
+            return  # vLLM could not be booted again: the liveness probe restarts the pod
+        if err.serving and self.vllm.alive() and self._still_serves():
+            self.set_state("Ready", f"checkpoint failed ({err.reason}), still serving: {err}")
+            return
+        self.vllm.kill(remove_shm=True)
+        try:
+            self.boot()
+        except Exception as e:  # boot() already made the agent Failed
+            log.error("booting vLLM after the failed checkpoint failed: %s", e)
+
+    def _still_serves(self) -> bool:
+        """vLLM answers a one-token completion (its engine survived what failed)."""
+        try:
+            self.control.wait_health(10, alive=self.vllm.alive)
+            self.control.complete_one(self.cfg.served_name)
+        except Exception as e:
+            log.warning("vLLM does not serve after the failed checkpoint: %s", e)
+            return False
+        return True
+
+    def run_checkpoint(self, ckpt: Path) -> Manifest:
+        """Called with the proxy drained (state Checkpointing). Dump, then prove by restoring.
+
+        Raises CheckpointError (whatever went wrong), after the agent is back
+        in a defined state: see _checkpoint_failed.
+        """
+        try:
+            man = self._dump(ckpt)
+        except Exception as e:
+            err = (
+                e
+                if isinstance(e, checkpoint.CheckpointError)
+                else checkpoint.CheckpointError(f"unexpected: {e!r}", serving=False)
             )
-        manifest_io.mark_verified(ckpt, man, {"restore_seconds": self.status.timings["restore"]})
+            if not isinstance(e, checkpoint.CheckpointError):
+                log.exception("checkpoint to %s failed", ckpt)
+            self._checkpoint_failed(ckpt, err)
+            raise err from e
+        self.metrics.observe_phases(self.metrics.checkpoint_phase_seconds, man["timings"])
+        # Prove it: restore with the copying (stock) restore, so this pod's process
+        # does not depend on the image files and can be checkpointed again.
+        try:
+            restored = self.restore_or_fallback(ckpt, require_verified=False, mmap=False)
+        except Exception as e:  # the fallback boot failed too: the agent is Failed
+            err = checkpoint.CheckpointError(
+                f"dumped, but restoring it failed, and so did booting vLLM again: {e}",
+                serving=False,
+                reason="verify_restore_failed",
+            )
+            self._checkpoint_failed(ckpt, err)
+            raise err from e
+        if not restored:
+            fb = self.status.last_fallback or {}
+            err = checkpoint.CheckpointError(
+                f"dumped, but restoring it failed ({fb.get('reason')}): "
+                f"{fb.get('message')}; vLLM was booted again",
+                serving=True,
+                reason="verify_restore_failed",
+            )
+            self._checkpoint_failed(ckpt, err)
+            raise err
+        try:
+            manifest_io.mark_verified(
+                ckpt, man, {"restore_seconds": self.status.timings["restore"]}, self.signing_key
+            )
+        except OSError as e:
+            err = checkpoint.CheckpointError(
+                f"recording the proof failed: {e}", reason=checkpoint.os_reason(e)
+            )
+            self._checkpoint_failed(ckpt, err)
+            raise err from e
+        not_read_only = manifest_io.make_read_only(ckpt, man["files"])
+        if not_read_only:
+            log.warning("could not make %s read-only: %s", ckpt, "; ".join(not_read_only[:5]))
         self.metrics.checkpoints.labels("ok").inc()
         self.status.timings["checkpoint"] = dict(man["timings"])
         self.status.last_checkpoint = {"dir": str(ckpt), "ok": True, "timings": man["timings"]}
@@ -252,9 +421,9 @@ class Agent:
         try:
             info = self.criu_info()
         except OSError as e:
-            raise checkpoint.CheckpointError(str(e)) from e
+            raise checkpoint.CheckpointError(str(e), reason="criu_failed") from e
         man = checkpoint.checkpoint(
-            ckpt, self.vllm, self.control, info, self.cfg, self.fingerprint()
+            ckpt, self.vllm, self.control, info, self.cfg, self.fingerprint(), self.signing_key
         )
         self.status.weights_rpc = "available" if man["weights"]["released"] else "unavailable"
         return man
@@ -262,7 +431,8 @@ class Agent:
     def watch(self) -> None:
         """A vLLM that dies while Ready makes the agent Failed (liveness fails, pod restarts)."""
         while not self.stopping:
-            time.sleep(1.0)
+            time.sleep(0.5)
+            self.check_watchdog()
             if (
                 self.status.state == "Ready"
                 and not self.flow_lock.locked()

@@ -1,4 +1,5 @@
-"""The admin API's bearer token: read once at start, compared in constant time."""
+"""The admin API's bearer token and the serve port's API key: read once, compared in
+constant time."""
 
 from __future__ import annotations
 
@@ -22,6 +23,20 @@ def read_token(path: str) -> bytes:
             f"token in {path} is shorter than {MIN_TOKEN_BYTES} bytes; use a random token"
         )
     return token
+
+
+def read_api_key(path: str) -> bytes:
+    """The serve port's API key (the user's Secret): any non-empty value."""
+    try:
+        key = Path(path).read_bytes().strip()
+    except OSError as e:
+        raise ConfigError(
+            f"API key file {path}: {e.strerror or e}; mount the API key Secret there "
+            "or drop --api-key-file"
+        ) from e
+    if not key or b"\n" in key:
+        raise ConfigError(f"API key in {path} is empty or spans lines")
+    return key
 
 
 def token_ok(expected: bytes, header: str | None) -> bool:

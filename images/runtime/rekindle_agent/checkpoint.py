@@ -3,13 +3,18 @@
 The agent has already stopped new requests and drained in-flight ones. Here:
 release the weights (dumped once into the checkpoint), refuse io_uring, dump
 the tree with CRIU, save the /dev/shm files and other files it holds open,
-checksum everything and write the manifest. If anything fails before CRIU
-kills the tree, vLLM is put back as it was (weights reloaded) and keeps serving.
+checksum everything and write the (signed) manifest. Every failure raises
+CheckpointError with a reason (rekindle_contract.api.CHECKPOINT_FAILURE_REASONS)
+and whether vLLM still serves: if anything fails before CRIU kills the tree,
+vLLM is put back as it was (weights reloaded) and keeps serving; after that
+(or when CRIU had to be killed) it does not, and the agent boots it again.
+The agent removes the partial directory either way.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import time
@@ -42,22 +47,40 @@ DUMP_LOG = "dump.log"  # CRIU's log, kept beside the images (not checksummed)
 
 
 class CheckpointError(RuntimeError):
-    """The checkpoint failed; .serving says whether vLLM still runs (it should)."""
+    """The checkpoint failed; .serving says whether vLLM still runs, .reason why it failed."""
 
-    def __init__(self, message: str, serving: bool = True) -> None:
+    def __init__(self, message: str, serving: bool = True, reason: str = "internal") -> None:
         super().__init__(message)
         self.serving = serving
+        self.reason = reason
+
+
+def os_reason(e: BaseException) -> str:
+    """A checkpoint failure reason for an OSError (or a message that carries one)."""
+    code = getattr(e, "errno", None)
+    text = str(e)
+    if code in (errno.ENOSPC, errno.EDQUOT) or "No space left" in text or "quota" in text:
+        return "volume_full"
+    if code == errno.EROFS or "Read-only file system" in text:
+        return "read_only"
+    return "io_error"
 
 
 def check_target(directory: str, root: str | None) -> Path:
-    """The requested directory: absolute, below root if one is set, new or empty."""
-    if not directory or not os.path.isabs(directory):
+    """The requested directory: absolute, below root if one is set, new or empty.
+
+    Resolved with realpath (symlinks followed), and it is the resolved path
+    the checkpoint is written to: a symlink below the root cannot lead out.
+    """
+    if not directory or not os.path.isabs(directory) or "\0" in directory:
         raise ValueError(f"'dir' must be an absolute path, got {directory!r}")
-    path = Path(os.path.normpath(directory))
+    path = Path(os.path.realpath(directory))
     if root:
-        r = Path(os.path.normpath(root))
+        r = Path(os.path.realpath(root))
         if path == r or r not in path.parents:
-            raise ValueError(f"'dir' {path} must be below the checkpoint root {r}")
+            raise ValueError(
+                f"'dir' {directory} (resolved: {path}) must be below the checkpoint root {r}"
+            )
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise ValueError(
             f"{path} already exists and is not empty; checkpoints are immutable, pick a new dir"
@@ -86,11 +109,12 @@ def deleted_file_dirs(pids: list[int]) -> set[str]:
     return dirs
 
 
-def save_extra(ckpt: Path, paths: list[str], exact: bool) -> list[dict[str, Any]]:
+def save_extra(ckpt: Path, paths: list[str], exact: bool, start: int = 0) -> list[dict[str, Any]]:
+    """Copy files the tree holds open into files/ (numbered from start); their records."""
     dest = ckpt / FILES_SUBDIR
     dest.mkdir(mode=0o700, exist_ok=True)
     out = []
-    for i, src in enumerate(sorted(paths)):
+    for i, src in enumerate(sorted(paths), start=start):
         if not os.path.isfile(src):
             continue
         rel = f"{FILES_SUBDIR}/{i:03d}-{os.path.basename(src)}"
@@ -101,7 +125,7 @@ def save_extra(ckpt: Path, paths: list[str], exact: bool) -> list[dict[str, Any]
                 "path": src,
                 "saved": rel,
                 "size": st.st_size,
-                "mode": st.st_mode & 0o7777,
+                "mode": st.st_mode & 0o777,
                 "exact": exact,
             }
         )
@@ -115,44 +139,67 @@ def checkpoint(
     criu_info: criu.CriuInfo,
     cfg: AgentConfig,
     fp: dict[str, Any],
+    key: bytes | None = None,
 ) -> Manifest:
-    """Dump the running vLLM into ckpt; returns the manifest (not yet verified).
+    """Dump the running vLLM into ckpt; returns the manifest (signed with key, not yet verified).
 
     fp is the fingerprint of what runs (fingerprint.collect), recorded so a
-    restore can refuse an environment that differs.
+    restore can refuse an environment that differs. Raises CheckpointError.
     """
     root = vllm.root_pid
     if root is None or not proctree.alive(root):
         raise CheckpointError("vLLM is not running", serving=False)
     phases: dict[str, float] = {}
     t = t_start = time.monotonic()
-    ckpt.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(ckpt, 0o700)  # images hold process memory: secrets, prompts, keys
     images = ckpt / IMAGES_SUBDIR
-    images.mkdir(mode=0o700)
     weights_dir = ckpt / WEIGHTS_SUBDIR
-    weights_dir.mkdir(mode=0o700)
+    try:
+        ckpt.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if os.path.realpath(ckpt) != str(ckpt):  # a symlink appeared since check_target
+            raise CheckpointError(f"{ckpt} now resolves to {os.path.realpath(ckpt)}; refused")
+        os.chmod(ckpt, 0o700)  # images hold process memory: secrets, prompts, keys
+        images.mkdir(mode=0o700)
+        weights_dir.mkdir(mode=0o700)
+    except OSError as e:
+        raise CheckpointError(f"cannot create {ckpt}: {e}", reason=os_reason(e)) from e
 
     weights, release_phases = _release(control, weights_dir)
     phases.update(release_phases)
     t = _mark(phases, "release_total", t)
 
-    pids = proctree.tree(root)
-    found = io_uring.find(pids)
-    if found:
-        if weights["released"]:
-            _undo_release(control, weights_dir)
-        raise CheckpointError(io_uring.error_message(found))
-    shm_names = shm_files.tree_shm_files(pids)
-    remap_dirs = {shm_files.SHM, *deleted_file_dirs(pids)}
-    before = link_remaps(remap_dirs)
+    try:
+        pids = proctree.tree(root)
+        found = io_uring.find(pids)
+        if found:
+            raise CheckpointError(io_uring.error_message(found), reason="io_uring")
+        shm_names = shm_files.tree_shm_files(pids)
+        remap_dirs = {shm_files.SHM, *deleted_file_dirs(pids)}
+        before = link_remaps(remap_dirs)
+    except Exception as e:
+        serving = not weights["released"] or _undo_release(control, weights_dir)
+        if isinstance(e, CheckpointError):
+            e.serving = serving
+            raise
+        raise CheckpointError(f"inspecting vLLM's tree failed: {e!r}", serving=serving) from e
     t = _mark(phases, "inspect", t)
 
     log = str(ckpt / DUMP_LOG)
-    res = vllm.reaper.run(
-        criu.dump_argv(criu_info.binary, root, str(images), log, plugins=cfg.criu_plugins),
-        timeout=600,
-    )
+    argv = criu.dump_argv(criu_info.binary, root, str(images), log, plugins=cfg.criu_plugins)
+    try:
+        res = vllm.reaper.run(argv, timeout=cfg.dump_timeout)
+    except TimeoutError as e:
+        # Killed mid-dump, CRIU may leave the tree frozen or with its parasite
+        # code inside: it cannot be trusted to serve again. The agent kills it
+        # and boots vLLM.
+        raise CheckpointError(
+            f"criu dump took longer than --dump-timeout {cfg.dump_timeout:g}s and was killed; "
+            "vLLM's tree is not trusted after that and is booted again",
+            serving=False,
+            reason="criu_timeout",
+        ) from e
+    except OSError as e:
+        serving = not weights["released"] or _undo_release(control, weights_dir)
+        raise CheckpointError(f"cannot run criu: {e}", serving=serving, reason=os_reason(e)) from e
     t = _mark(phases, "criu_dump", t)
     if res.returncode != 0:
         tail = ""
@@ -160,51 +207,79 @@ def checkpoint(
             tail = criu.log_tail(Path(log).read_text(errors="replace"))
         serving = proctree.alive(root)
         if serving and weights["released"]:
-            _undo_release(control, weights_dir)
-        raise CheckpointError(f"criu dump exited {res.returncode}:\n{tail}", serving=serving)
+            serving = _undo_release(control, weights_dir)
+        reason = os_reason(OSError(tail))
+        if reason == "io_error":
+            reason = "criu_failed"
+        raise CheckpointError(
+            f"criu dump exited {res.returncode}:\n{tail}", serving=serving, reason=reason
+        )
     vllm.dumped(pids)
 
+    # CRIU killed the tree: from here a failure means vLLM is gone (the agent boots it).
     remaps = link_remaps(remap_dirs) - before
     shm_remaps = {os.path.basename(p) for p in remaps if os.path.dirname(p) == shm_files.SHM}
-    shm_records = shm_files.save(shm_names | shm_remaps, ckpt / SHM_SUBDIR)
-    extra = save_extra(ckpt, [vllm.log_path], exact=False)
-    extra += save_extra(
-        ckpt, sorted(p for p in remaps if os.path.dirname(p) != shm_files.SHM), exact=True
-    )
-    t = _mark(phases, "save_files", t)
+    other_remaps = sorted(p for p in remaps if os.path.dirname(p) != shm_files.SHM)
+    try:
+        outside = [p for p in other_remaps if not manifest_io.below(p, cfg.run_dir)]
+        if outside:
+            raise CheckpointError(
+                f"the tree holds deleted-but-open files outside the run dir {cfg.run_dir} "
+                f"({', '.join(outside[:3])}); a restore only recreates files there",
+                serving=False,
+                reason="unsupported",
+            )
+        shm_records = shm_files.save(shm_names | shm_remaps, ckpt / SHM_SUBDIR)
+        extra = save_extra(ckpt, [vllm.log_path], exact=False)
+        extra += save_extra(ckpt, other_remaps, exact=True, start=1)
+        t = _mark(phases, "save_files", t)
 
-    rel = [r for r in manifest_io.list_files(ckpt) if r != DUMP_LOG]
-    entries = manifest_io.checksum_files(ckpt, rel, threads=max(2, cfg.prefetch_threads // 2))
-    t = _mark(phases, "checksums", t)
-    phases["total"] = t - t_start
+        rel = [r for r in manifest_io.list_files(ckpt) if r != DUMP_LOG]
+        entries = manifest_io.checksum_files(ckpt, rel, threads=max(2, cfg.prefetch_threads // 2))
+        t = _mark(phases, "checksums", t)
+        phases["total"] = t - t_start
 
-    man: Manifest = {
-        "format": MANIFEST_FORMAT,
-        "created_at": time.time(),
-        "agent_version": __version__,
-        "fingerprint": fp,
-        "environment": fingerprint.environment(criu_info.version),
-        "vllm": {
-            "argv": vllm.argv,
-            "port": cfg.vllm_port,
-            "served_name": cfg.served_name,
-            "root_pid": root,
-            "pids": pids,
-            "run_dir": cfg.run_dir,
-            "device": cfg.device,
-        },
-        "weights": weights,
-        "shm_files": shm_records,
-        "extra_files": extra,
-        "criu": {
-            "binary": criu_info.binary,
-            "version": criu_info.version,
-            "dump_flags": list(criu.COMMON_FLAGS),
-        },
-        "files": entries,
-        "timings": phases,
-    }
-    manifest_io.write(ckpt, man)
+        man: Manifest = {
+            "format": MANIFEST_FORMAT,
+            "created_at": time.time(),
+            "agent_version": __version__,
+            "fingerprint": fp,
+            "environment": fingerprint.environment(criu_info.version),
+            "vllm": {
+                "argv": fingerprint.redact_argv(vllm.argv),
+                "port": cfg.vllm_port,
+                "served_name": cfg.served_name,
+                "root_pid": root,
+                "pids": pids,
+                "run_dir": cfg.run_dir,
+                "device": cfg.device,
+            },
+            "weights": weights,
+            "shm_files": shm_records,
+            "extra_files": extra,
+            "criu": {
+                "binary": criu_info.binary,
+                "version": criu_info.version,
+                "dump_flags": list(criu.COMMON_FLAGS),
+            },
+            "files": entries,
+            "timings": phases,
+        }
+        manifest_io.write(ckpt, man, key)
+    except Exception as e:
+        # The dumped tree's /dev/shm files and CRIU's link-remaps would only leak.
+        shm_files.remove(sorted(shm_names | shm_remaps))
+        for p in other_remaps:
+            with contextlib.suppress(OSError):
+                os.unlink(p)
+        if isinstance(e, CheckpointError):
+            raise
+        reason = os_reason(e) if isinstance(e, OSError) else "internal"
+        raise CheckpointError(
+            f"saving the checkpoint failed after CRIU stopped vLLM: {e}",
+            serving=False,
+            reason=reason,
+        ) from e
     return man
 
 
@@ -212,21 +287,37 @@ def _release(control: VllmControl, weights_dir: Path) -> tuple[dict[str, Any], d
     """Dump and release the weights: (the manifest's `weights` record, phase seconds).
 
     A vLLM without Rekindle's extension is checkpointed as it is (weights in
-    the image), and the record says why.
+    the image), and the record says why. A failed dump leaves the weights in
+    place (nothing to undo); a failed release is undone by reloading them.
     """
     weights: dict[str, Any] = {"released": False, "dir": WEIGHTS_SUBDIR}
     phases: dict[str, float] = {}
+    t0 = time.monotonic()
     try:
-        phases = control.release(str(weights_dir))
-        weights["released"] = True
+        control.dump_weights(str(weights_dir))
     except VllmCallError as e:
         if not missing_method(e):
-            _undo_release(control, weights_dir)
-            raise CheckpointError(f"releasing the weights failed: {e}") from e
+            reason = os_reason(OSError(e.body))
+            raise CheckpointError(
+                f"dumping the weights failed: {e}",
+                reason="release_failed" if reason == "io_error" else reason,
+            ) from e
         weights["reason"] = "weights RPCs not available in this vLLM: checkpoint without release"
         with contextlib.suppress(OSError):
             shutil.rmtree(weights_dir)
             weights_dir.mkdir(mode=0o700)
+        return weights, phases
+    phases["dump_weights"] = time.monotonic() - t0
+    t0 = time.monotonic()
+    try:
+        control.release_weights()
+    except VllmCallError as e:
+        serving = _undo_release(control, weights_dir)
+        raise CheckpointError(
+            f"releasing the weights failed: {e}", serving=serving, reason="release_failed"
+        ) from e
+    phases["release"] = time.monotonic() - t0
+    weights["released"] = True
     return weights, phases
 
 
@@ -236,7 +327,13 @@ def _mark(phases: dict[str, float], name: str, t0: float) -> float:
     return now
 
 
-def _undo_release(control: VllmControl, weights_dir: Path) -> None:
-    """Put the weights back so the server serves again after a failed checkpoint."""
-    with contextlib.suppress(VllmCallError):
+def _undo_release(control: VllmControl, weights_dir: Path) -> bool:
+    """Put the weights back so the server serves again after a failed checkpoint.
+
+    True if the weights are back; otherwise the agent boots vLLM again.
+    """
+    try:
         control.wake(str(weights_dir))
+        return True
+    except (VllmCallError, OSError):
+        return False

@@ -14,18 +14,20 @@ import sys
 import threading
 from pathlib import Path
 
-from rekindle_agent import config
-from rekindle_agent.auth import read_token
+from rekindle_agent import config, signing
+from rekindle_agent.auth import read_api_key, read_token
 from rekindle_agent.early import EarlyStart
 
 
 def run_agent(ns: argparse.Namespace) -> int:
     try:
         cfg = config.from_args(ns)
+        signing_key = signing.read_key(cfg.signing_key_file) if cfg.signing_key_file else None
+        api_key = read_api_key(cfg.api_key_file) if cfg.api_key_file else None
     except config.ConfigError as e:
         print(f"rekindle agent: {e}", file=sys.stderr)
         return 2
-    early = EarlyStart()
+    early = EarlyStart(signing_key)
     early.begin(cfg)
     early_stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -35,7 +37,9 @@ def run_agent(ns: argparse.Namespace) -> int:
     setup_logging()
     Path(cfg.run_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
     try:
-        agent = Agent(cfg, read_token(cfg.token_file), early)
+        agent = Agent(
+            cfg, read_token(cfg.token_file), early, api_key=api_key, signing_key=signing_key
+        )
     except config.ConfigError as e:
         print(f"rekindle agent: {e}", file=sys.stderr)
         return 2

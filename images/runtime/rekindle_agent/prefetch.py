@@ -2,24 +2,45 @@
 
 Started first thing on restore and overlapped with everything else: by the
 time CRIU reads pages-*.img (or, with the mmap restore, faults its pages in),
-they are already cached. The same read also proves the files intact (crc32 or sha256
-against the manifest), so the integrity check costs no extra I/O.
+they are already cached. The same read also proves the files intact and, with
+a signed manifest, authentic (BLAKE3 by default against the manifest), so the
+check costs no extra I/O.
+
+Two groups, so that nothing of the checkpoint is used before it is checked
+while the long pole still overlaps with CRIU: the small images CRIU parses
+(every image but pages-*.img) are read first and awaited before CRIU runs
+(result(paths=critical)); the memory pages, the /dev/shm files and other
+files the tree maps or holds open, and the weight dump are only data for the
+restored tree, which CRIU leaves stopped until they too are checked
+(restore.py); on a mismatch the tree is killed and those files removed.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 import time
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rekindle_contract.manifest import FileEntry
+from rekindle_contract.manifest import IMAGES_SUBDIR, FileEntry
+
+from rekindle_agent import digests
 
 CHUNK = 8 << 20
+
+
+def deferred(path: str) -> bool:
+    """Content only the restored tree uses (checked before it runs): everything but the
+    images CRIU parses. Memory pages, the /dev/shm and other files it maps or has
+    open, the weight dump."""
+    return not path.startswith(f"{IMAGES_SUBDIR}/") or path.startswith(f"{IMAGES_SUBDIR}/pages-")
+
+
+def critical_paths(files: list[FileEntry]) -> set[str]:
+    """Files checked before CRIU runs: the images it parses (all but pages-*.img)."""
+    return {f["path"] for f in files if not deferred(f["path"])}
 
 
 @dataclass
@@ -29,18 +50,18 @@ class PrefetchResult:
     bad: list[str] = field(default_factory=list)  # "path: reason"
 
 
-def expected(entry: FileEntry, verify: str) -> tuple[str, str] | None:
-    """(algorithm, digest) to check entry against, or None for no content check.
+def expected(entry: FileEntry, verify: str) -> tuple[str, str]:
+    """(algorithm, digest) to check entry against ('size': checked by size only, elsewhere).
 
-    crc32 is the default at restore: it catches damaged or truncated images at
-    2-3x the speed of sha256, and sha256 would add no security here, since
-    whoever can rewrite the images can rewrite the manifest next to them.
+    The one asked for where the manifest has it, else the strongest it has:
+    blake3 (what agents record now), else sha256 (older manifests). crc32 only
+    where asked for and recorded (an older manifest, no signing key).
     """
-    if verify == "size":
-        return None
-    if verify == "crc32" and "crc32" in entry:
-        return "crc32", entry["crc32"]
-    return "sha256", entry["sha256"]
+    for algo in (verify, "blake3", "sha256"):
+        value = entry.get(algo)
+        if algo in digests.ALGORITHMS and isinstance(value, str) and value:
+            return algo, value
+    raise ValueError(f"{entry.get('path')}: no digest in the manifest")
 
 
 def _read_file(path: Path, check: tuple[str, str] | None, chunk: int) -> tuple[int, str | None]:
@@ -52,9 +73,7 @@ def _read_file(path: Path, check: tuple[str, str] | None, chunk: int) -> tuple[i
     try:
         size = os.fstat(fd).st_size
         os.posix_fadvise(fd, 0, size, os.POSIX_FADV_WILLNEED)
-        algo = check[0] if check else None
-        h = hashlib.sha256() if algo == "sha256" else None
-        crc = 0
+        h = digests.new(check[0]) if check else None
         buf = bytearray(chunk)
         view = memoryview(buf)
         total = 0
@@ -64,15 +83,14 @@ def _read_file(path: Path, check: tuple[str, str] | None, chunk: int) -> tuple[i
                 break
             if h is not None:
                 h.update(view[:n])
-            elif algo == "crc32":
-                crc = zlib.crc32(view[:n], crc)
             total += n
+    except OSError as e:
+        return 0, f"{e.strerror or e}"
     finally:
         os.close(fd)
-    if check is None:
+    if check is None or h is None:
         return total, None
-    got = h.hexdigest() if h is not None else f"{crc:08x}"
-    if got != check[1]:
+    if h.hexdigest() != check[1]:
         return total, f"{check[0]} differs from the manifest"
     return total, None
 
@@ -85,17 +103,25 @@ class Prefetcher:
         root: Path,
         files: list[FileEntry],
         threads: int = 8,
-        verify: str = "crc32",
+        verify: str = "blake3",
         chunk: int = CHUNK,
     ) -> None:
         self._t0 = time.monotonic()
+        self.verify = verify
         self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="prefetch")
-        # Largest first: the long pole starts earliest.
-        order = sorted(files, key=lambda f: -int(f["size"]))
+        # The small files CRIU needs checked first (they gate it), then largest
+        # first: the long pole starts earliest.
+        order = sorted(files, key=lambda f: (deferred(f["path"]), -int(f["size"])))
+        self.order = [f["path"] for f in order]  # the order files are read in
         self._futures: list[tuple[str, Future[tuple[int, str | None]]]] = [
             (
                 f["path"],
-                self._pool.submit(_read_file, root / f["path"], expected(f, verify), chunk),
+                self._pool.submit(
+                    _read_file,
+                    root / f["path"],
+                    None if verify == "size" else expected(f, verify),
+                    chunk,
+                ),
             )
             for f in order
         ]
@@ -109,10 +135,15 @@ class Prefetcher:
         with self._lock:
             self._last_done = max(self._last_done, time.monotonic())
 
-    def result(self, timeout: float | None = None) -> PrefetchResult:
+    def result(self, timeout: float | None = None, paths: set[str] | None = None) -> PrefetchResult:
+        """Wait for every file (or those in paths); TimeoutError after timeout seconds in all."""
         out = PrefetchResult()
+        deadline = None if timeout is None else time.monotonic() + timeout
         for path, fut in self._futures:
-            n, problem = fut.result(timeout=timeout)
+            if paths is not None and path not in paths:
+                continue
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            n, problem = fut.result(timeout=left)
             out.bytes_read += n
             if problem:
                 out.bad.append(f"{path}: {problem}")

@@ -38,6 +38,7 @@ class Reaper:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._status: dict[int, int] = {}
+        self._running: set[int] = set()  # run()'s children (criu), for kill_running()
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="reaper", daemon=True)
         self._thread.start()
@@ -96,6 +97,15 @@ class Reaper:
                 self._cond.wait(0.5 if left is None else min(left, 0.5))
             return self._status[pid]
 
+    def kill_running(self) -> list[int]:
+        """SIGKILL the process group of every run() still going (the watchdog's last resort)."""
+        with self._cond:
+            pids = sorted(self._running)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, 9)
+        return pids
+
     def forget(self, pid: int) -> None:
         with self._cond:
             self._status.pop(pid, None)
@@ -105,6 +115,8 @@ class Reaper:
         path = f"/tmp/.rekindle-run-{os.getpid()}-{threading.get_ident()}.log"
         with open(path, "wb") as out:
             pid = self.spawn(argv, stdout=out.fileno(), stderr=subprocess.STDOUT)
+        with self._cond:
+            self._running.add(pid)
         try:
             code = self.wait(pid, timeout)
         except TimeoutError:
@@ -113,6 +125,8 @@ class Reaper:
             self.wait(pid, 10)
             raise
         finally:
+            with self._cond:
+                self._running.discard(pid)
             self.forget(pid)
         with open(path, errors="replace") as f:
             text = f.read()

@@ -1,8 +1,11 @@
 """Restore flow: checkpoint directory -> a serving vLLM, or a reason why not.
 
 Order matters for speed: prefetching (and hashing) every file starts first and
-runs while the cheap checks, the /dev/shm files and CRIU itself proceed; the
-result is awaited only before the restored server is declared good. Any
+runs while the cheap checks, the /dev/shm files and CRIU itself proceed. Order
+matters for safety too: the manifest is authenticated and its paths checked
+before anything is read by name, the images CRIU parses are checked before
+CRIU runs, and the restored tree stays stopped until everything else it uses
+(memory pages, /dev/shm files, weights) is checked as well. Any
 failure kills whatever was restored and raises RestoreError with a reason code
 (rekindle_contract.api.FALLBACK_REASONS), which the agent turns into a normal boot
 (or, with --restore-policy require, into Failed).
@@ -11,20 +14,29 @@ failure kills whatever was restored and raises RestoreError with a reason code
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
-import shutil
+import signal
+import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rekindle_contract.manifest import IMAGES_SUBDIR, SHM_SUBDIR, VERIFIED_NAME, WEIGHTS_SUBDIR
+from rekindle_contract.manifest import (
+    IMAGES_SUBDIR,
+    SHM_SUBDIR,
+    VERIFIED_NAME,
+    WEIGHTS_SUBDIR,
+    Manifest,
+)
 
-from rekindle_agent import criu, fingerprint, manifest_io, prefetch, shm_files
+from rekindle_agent import criu, fingerprint, manifest_io, prefetch, proctree, shm_files
 from rekindle_agent.config import AgentConfig
 from rekindle_agent.vllm_control import VllmCallError, VllmControl
 from rekindle_agent.vllm_process import VllmProcess
 
+log = logging.getLogger("rekindle.restore")
 HEALTH_TIMEOUT_S = 60.0  # a restored server answers at once; this only bounds a hung one
 
 
@@ -35,21 +47,36 @@ class RestoreError(RuntimeError):
         self.message = message
 
 
-def restore_extra_files(ckpt: Path, records: list[dict[str, Any]]) -> None:
-    """Files outside /dev/shm the tree holds open (vLLM's log, link-remap files)."""
+def restore_extra_files(ckpt: Path, records: list[dict[str, Any]], run_dir: str) -> None:
+    """Files outside /dev/shm the tree holds open (vLLM's log, link-remap files).
+
+    Their paths were validated (below run_dir, manifest_io.validate_paths);
+    here the real directory is checked too, so a symlink on the way cannot
+    lead outside run_dir, and the file is created anew (O_EXCL|O_NOFOLLOW).
+    """
+    run_real = os.path.realpath(run_dir)
     for rec in records:
         dst = str(rec["path"])
-        os.makedirs(os.path.dirname(dst), mode=0o700, exist_ok=True)
+        parent = os.path.dirname(dst)
+        os.makedirs(parent, mode=0o700, exist_ok=True)
+        real_parent = os.path.realpath(parent)
+        if real_parent != run_real and not manifest_io.below(real_parent, run_real):
+            raise OSError(f"{dst}: its directory resolves to {real_parent}, outside {run_real}")
+        dst = os.path.join(real_parent, os.path.basename(dst))
         try:
+            st = os.lstat(dst)
             # A growing log may already be there (same pod): keep it if not shorter.
-            if os.path.getsize(dst) >= int(rec["size"]) and not rec.get("exact"):
+            if stat.S_ISREG(st.st_mode) and st.st_size >= int(rec["size"]) and not rec.get("exact"):
                 continue
+            os.unlink(dst)
         except FileNotFoundError:
             pass
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(dst)
-        shutil.copyfile(ckpt / str(rec["saved"]), dst)
-        os.chmod(dst, int(rec.get("mode", 0o600)))
+        shm_files.copy_sparse(
+            str(ckpt / str(rec["saved"])),
+            dst,
+            mode=manifest_io.safe_mode(rec.get("mode", 0o600)),
+            exclusive=True,
+        )
 
 
 def wait_pids_free(pids: list[int], timeout: float = 10.0) -> None:
@@ -68,6 +95,27 @@ def wait_pids_free(pids: list[int], timeout: float = 10.0) -> None:
         time.sleep(0.02)
 
 
+def resume(pids: list[int]) -> None:
+    """Let a tree CRIU restored stopped (--leave-stopped) run."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+
+def _checked(pre: prefetch.Prefetcher, deadline: float, paths: set[str] | None = None) -> float:
+    """Wait for the content check (of paths, or all); its seconds. RestoreError if bad."""
+    try:
+        result = pre.result(timeout=max(0.0, deadline - time.monotonic()), paths=paths)
+    except TimeoutError as e:
+        raise RestoreError(
+            "prefetch_timeout",
+            "reading and checking the checkpoint's files took longer than --prefetch-timeout",
+        ) from e
+    if result.bad:
+        raise RestoreError("checksum_mismatch", "; ".join(result.bad[:5]))
+    return result.seconds
+
+
 def restore(
     ckpt: Path,
     vllm: VllmProcess,
@@ -79,14 +127,24 @@ def restore(
     prefetcher: prefetch.Prefetcher | None,
     require_verified: bool,
     mmap: bool,
+    key: bytes | None = None,
+    manifest: Manifest | None = None,
 ) -> dict[str, float]:
     """Run the whole restore; returns phase seconds. Raises RestoreError.
 
+    Nothing of the checkpoint is used before it is checked: the manifest's
+    signature (with key), structure, paths and modes (manifest_io.read), the
+    fingerprint, the listing and sizes; then the content of every image CRIU
+    parses; CRIU restores the tree stopped, and it runs only once the rest
+    (memory pages, the /dev/shm and other files, weights) has been checked too.
+
     fp() is the fingerprint of this environment (compared with the
-    checkpoint's); prefetcher is one already reading ckpt (started early), or
-    None to start one here when cfg.prefetch says so.
+    checkpoint's); prefetcher is one already reading ckpt (started early, with
+    manifest, the manifest it was started from), or None to start one here
+    when cfg.prefetch says so.
     """
     t_start = time.monotonic()
+    deadline = t_start + cfg.prefetch_timeout
     phases: dict[str, float] = {}
 
     def mark(name: str, t0: float) -> float:
@@ -94,74 +152,90 @@ def restore(
         phases[name] = now - t0
         return now
 
-    try:
-        man = manifest_io.read(ckpt)
-    except manifest_io.ManifestError as e:
-        raise RestoreError(e.reason, str(e)) from e
-    files = man["files"]
     verify = cfg.verify_checksums
     pre = prefetcher
-    if pre is None and cfg.prefetch:
-        pre = prefetch.Prefetcher(ckpt, files, threads=cfg.prefetch_threads, verify=verify)
     restored_root: int | None = None
     created_shm: list[str] = []
+    created_files: list[str] = []
     try:
+        if manifest is None or pre is None:
+            # The prefetcher and the restore must check the same manifest.
+            if pre is not None:
+                pre.cancel()
+                pre = None
+            try:
+                man = manifest_io.read(ckpt, key, cfg.run_dir)
+            except manifest_io.ManifestError as e:
+                raise RestoreError(e.reason, str(e)) from e
+        else:
+            man = manifest
+        files = man["files"]
+        if pre is None and cfg.prefetch:
+            pre = prefetch.Prefetcher(ckpt, files, threads=cfg.prefetch_threads, verify=verify)
         t = time.monotonic()
-        if require_verified and not manifest_io.is_verified(ckpt):
+        if require_verified and not manifest_io.is_verified(ckpt, man):
             raise RestoreError(
                 "not_verified",
-                f"{ckpt} was never proven by a restore (no '{VERIFIED_NAME}' file); "
+                f"{ckpt} was never proven by a restore (no '{VERIFIED_NAME}' record); "
                 "checkpoint again",
             )
         problems = fingerprint.mismatches(man["fingerprint"], fp())
         if problems:
             raise RestoreError("fingerprint_mismatch", "; ".join(problems))
         try:
-            manifest_io.check_sizes(ckpt, files)
+            manifest_io.check_files(ckpt, files)
         except manifest_io.ManifestError as e:
             raise RestoreError(e.reason, str(e)) from e
         t = mark("validate", t)
         if pre is None and verify != "size":
-            # Without the overlap the check runs up front (and warms the cache as it reads).
-            bad = (
-                prefetch.Prefetcher(ckpt, files, threads=cfg.prefetch_threads, verify=verify)
-                .result()
-                .bad
+            # Without the overlap everything is checked up front (and cached as it reads).
+            _checked(
+                prefetch.Prefetcher(ckpt, files, threads=cfg.prefetch_threads, verify=verify),
+                deadline,
             )
-            if bad:
-                raise RestoreError("checksum_mismatch", "; ".join(bad[:5]))
             t = mark("checksums", t)
+        elif pre is not None:
+            # What CRIU parses, before it does.
+            _checked(pre, deadline, prefetch.critical_paths(files))
+            t = mark("verify_critical", t)
 
         dumped = man["vllm"]
         try:
-            os.makedirs(dumped["run_dir"], mode=0o700, exist_ok=True)
-            os.makedirs(os.path.join(dumped["run_dir"], "tmp"), mode=0o700, exist_ok=True)
-            restore_extra_files(ckpt, man.get("extra_files", []))
+            os.makedirs(cfg.run_dir, mode=0o700, exist_ok=True)
+            os.makedirs(os.path.join(cfg.run_dir, "tmp"), mode=0o700, exist_ok=True)
+            created_files = [str(r["path"]) for r in man.get("extra_files", []) if r.get("exact")]
+            restore_extra_files(ckpt, man.get("extra_files", []), cfg.run_dir)
             created_shm = [str(r["name"]) for r in man.get("shm_files", [])]
             shm_files.recreate(man.get("shm_files", []), ckpt / SHM_SUBDIR)
-        except OSError as e:
+        except (OSError, ValueError) as e:
             raise RestoreError("shm_restore_failed", f"recreating files: {e}") from e
         t = mark("shm", t)
 
         wait_pids_free(list(dumped.get("pids", [dumped["root_pid"]])))
-        pidfile = os.path.join(dumped["run_dir"], "restore.pid")
+        pidfile = os.path.join(cfg.run_dir, "restore.pid")
         with contextlib.suppress(FileNotFoundError):
             os.unlink(pidfile)
         # Never into the checkpoint: it is shared by every pod restoring from it.
-        log = os.path.join(dumped["run_dir"], "restore.log")
+        criu_log = os.path.join(cfg.run_dir, "restore.log")
         argv = criu.restore_argv(
             criu_info.binary,
             str(ckpt / IMAGES_SUBDIR),
-            log,
+            criu_log,
             pidfile,
             mmap=mmap,
             plugins=cfg.criu_plugins,
+            stopped=True,
         )
-        res = vllm.reaper.run(argv, timeout=cfg.restore_timeout)
+        try:
+            res = vllm.reaper.run(argv, timeout=cfg.restore_timeout)
+        except TimeoutError as e:
+            raise RestoreError(
+                "criu_restore_failed", f"criu restore took longer than {cfg.restore_timeout:g}s"
+            ) from e
         if res.returncode != 0:
             tail = ""
             with contextlib.suppress(OSError):
-                tail = criu.log_tail(Path(log).read_text(errors="replace"))
+                tail = criu.log_tail(Path(criu_log).read_text(errors="replace"))
             raise RestoreError(
                 "criu_restore_failed",
                 f"criu restore exited {res.returncode}: {res.output[-500:]}{tail}",
@@ -170,18 +244,19 @@ def restore(
         vllm.adopt(restored_root)
         t = mark("criu_restore", t)
 
+        if pre is not None:
+            # The memory pages and the weights: the tree is still stopped.
+            phases["prefetch_total"] = _checked(pre, deadline)
+            t = mark("prefetch_wait", t)
+        resume(proctree.tree(restored_root))
+        log.info("restored tree %d: every file checked, resumed", restored_root)
+        t = mark("resume", t)
+
         try:
             control.wait_health(HEALTH_TIMEOUT_S, alive=vllm.alive)
         except (TimeoutError, RuntimeError) as e:
             raise RestoreError("wake_failed", f"restored vLLM not healthy: {e}") from e
         t = mark("health", t)
-
-        if pre is not None:
-            result = pre.result()
-            phases["prefetch_total"] = result.seconds
-            if result.bad:
-                raise RestoreError("checksum_mismatch", "; ".join(result.bad[:5]))
-            t = mark("prefetch_wait", t)
 
         if man.get("weights", {}).get("released"):
             try:
@@ -203,4 +278,7 @@ def restore(
         if restored_root is not None:
             vllm.kill()
         shm_files.remove(created_shm)
+        for path in created_files:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
         raise

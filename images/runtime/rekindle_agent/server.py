@@ -2,6 +2,11 @@
 
 Handlers are thin: they check the token, read state, count requests, and hand
 blocking work to the Agent in a worker thread.
+
+The proxy (serve port) forwards only the allowlisted inference routes
+(serve_routes.py), only with the API key when one is configured, at most
+--proxy-max-concurrency at once and bodies up to --proxy-max-body-mb, and
+gives up on a vLLM that sends nothing for --proxy-timeout seconds.
 """
 
 from __future__ import annotations
@@ -18,12 +23,13 @@ from typing import Any
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 from rekindle_contract import api
 
-from rekindle_agent import checkpoint
+from rekindle_agent import checkpoint, serve_routes
 from rekindle_agent.agent import Agent
 from rekindle_agent.auth import token_ok
 
 log = logging.getLogger("rekindle.server")
 RETRY_AFTER_S = "2"
+CONNECT_TIMEOUT_S = 10.0
 HOP_HEADERS = {
     "connection",
     "keep-alive",
@@ -51,14 +57,19 @@ class Proxy:
         self.idle.set()
         self.session: ClientSession | None = None
 
-    def admit(self) -> bool:
-        """Atomic on the event loop: state check and count happen with no await between."""
+    def admit(self) -> str | None:
+        """Count a request in, or say why not ("state", "busy").
+
+        Atomic on the event loop: state check and count happen with no await between.
+        """
         if self.agent.status.state != "Ready":
-            return False
+            return "state"
+        if self.inflight >= self.agent.cfg.proxy_max_concurrency:
+            return "busy"
         self.inflight += 1
         self.idle.clear()
         self.agent.metrics.inflight.set(self.inflight)
-        return True
+        return None
 
     def release(self) -> None:
         self.inflight -= 1
@@ -70,7 +81,13 @@ class Proxy:
         if self.session is None or self.session.closed:
             self.session = ClientSession(
                 connector=TCPConnector(limit=0),
-                timeout=ClientTimeout(total=None, sock_connect=10),
+                # No total: a stream may last long; but vLLM must send something
+                # every proxy_timeout seconds (a non-streamed answer: all of it).
+                timeout=ClientTimeout(
+                    total=None,
+                    sock_connect=CONNECT_TIMEOUT_S,
+                    sock_read=self.agent.cfg.proxy_timeout,
+                ),
                 auto_decompress=False,
             )
         return self.session
@@ -82,24 +99,76 @@ class Proxy:
             self.session = None
 
 
-def refuse(agent: Agent, why: str) -> web.Response:
+def refuse(agent: Agent, why: str, status: int = 503) -> web.Response:
     agent.metrics.refused.inc()
     return web.json_response(
         {"error": {"message": why, "type": "unavailable", "state": agent.status.state}},
-        status=503,
+        status=status,
         headers={"Retry-After": RETRY_AFTER_S},
     )
+
+
+def error(
+    message: str, status: int, kind: str, headers: dict[str, str] | None = None
+) -> web.Response:
+    """An OpenAI-style error body."""
+    return web.json_response(
+        {"error": {"message": message, "type": kind, "code": status}},
+        status=status,
+        headers=headers,
+    )
+
+
+def _gate(request: web.Request, agent: Agent) -> web.Response | None:
+    """The checks before a request is admitted: API key, route, body size."""
+    if agent.api_key is not None and not token_ok(
+        agent.api_key, request.headers.get("Authorization")
+    ):
+        return error(
+            "missing or wrong API key", 401, "authentication_error", {"WWW-Authenticate": "Bearer"}
+        )
+    raw_path = request.raw_path.split("?", 1)[0]
+    if not serve_routes.allowed(request.method, raw_path):
+        if serve_routes.known_path(raw_path):
+            return error(
+                f"{request.method} not allowed on {raw_path}", 405, "invalid_request_error"
+            )
+        return error(f"no such route on the serve port: {raw_path}", 404, "invalid_request_error")
+    limit = agent.cfg.proxy_max_body_mb << 20
+    if request.content_length is not None and request.content_length > limit:
+        return error(
+            f"request body of {request.content_length} bytes is over the limit of {limit}",
+            413,
+            "invalid_request_error",
+        )
+    return None
 
 
 async def proxy_handler(request: web.Request) -> web.StreamResponse:
     proxy = request.app[PROXY_KEY]
     agent = proxy.agent
-    if not proxy.admit():
+    refused = _gate(request, agent)
+    if refused is not None:
+        return refused
+    why = proxy.admit()
+    if why == "busy":
+        return refuse(
+            agent,
+            f"{proxy.inflight} requests in flight, the limit (--proxy-max-concurrency); retry",
+            429,
+        )
+    if why is not None:
         return refuse(agent, f"agent is {agent.status.state}; retry")
+    resp: web.StreamResponse | None = None
     try:
-        body = await request.read()
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
-        url = agent.vllm_url + request.rel_url.path_qs
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge as e:
+            return error(str(e.text), 413, "invalid_request_error")
+        drop = HOP_HEADERS | ({"authorization"} if agent.api_key is not None else set())
+        # The API key stops here: never in vLLM's memory, so never in a checkpoint.
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in drop}
+        url = agent.vllm_url + request.raw_path  # exactly the path the allowlist matched
         async with proxy.client().request(
             request.method, url, headers=headers, data=body or None
         ) as up:
@@ -114,8 +183,21 @@ async def proxy_handler(request: web.Request) -> web.StreamResponse:
                 await resp.write(chunk)
             await resp.write_eof()
             return resp
-    except ClientError as e:
-        return web.json_response({"error": {"message": f"vLLM unreachable: {e}"}}, status=502)
+    except (ClientError, TimeoutError) as e:
+        if resp is not None and resp.prepared:
+            # Mid-stream: the status is sent; cut the response short.
+            log.warning("proxy: vLLM stopped sending mid-response: %r", e)
+            with contextlib.suppress(Exception):
+                if request.transport is not None:
+                    request.transport.close()
+            return resp
+        if isinstance(e, TimeoutError):
+            return error(
+                f"vLLM sent nothing for {agent.cfg.proxy_timeout:g}s (--proxy-timeout)",
+                504,
+                "timeout",
+            )
+        return error(f"vLLM unreachable: {e}", 502, "upstream_error")
     finally:
         proxy.release()
 
@@ -183,30 +265,64 @@ async def post_checkpoint(request: web.Request) -> web.Response:
             headers={"Retry-After": RETRY_AFTER_S},
         )
     try:
+        agent.guard(f"the checkpoint to {target}", target)
         agent.set_state("Draining", f"checkpoint to {target}")
         try:
             await asyncio.wait_for(proxy.idle.wait(), agent.cfg.drain_timeout)
         except TimeoutError:
+            message = (
+                f"{proxy.inflight} requests still running after "
+                f"{agent.cfg.drain_timeout:g}s; checkpoint cancelled, retry later "
+                "or raise --drain-timeout"
+            )
+            agent.unguard()
+            agent.status.last_checkpoint = {
+                "dir": str(target),
+                "ok": False,
+                "reason": "drain_timeout",
+                "error": message,
+            }
+            agent.metrics.checkpoints.labels("failed").inc()
             agent.set_state("Ready", "drain timed out; checkpoint cancelled")
             return web.json_response(
-                {
-                    "error": f"{proxy.inflight} requests still running after "
-                    f"{agent.cfg.drain_timeout:g}s; checkpoint cancelled, retry later "
-                    "or raise --drain-timeout"
-                },
+                {"error": message, "reason": "drain_timeout"},
                 status=503,
                 headers={"Retry-After": RETRY_AFTER_S},
             )
         await proxy.close_connections()
         agent.set_state("Checkpointing", f"dumping to {target}")
+        flow = asyncio.ensure_future(asyncio.to_thread(agent.run_checkpoint, target))
+        while not flow.done() and not agent.terminal:
+            await asyncio.wait({flow}, timeout=0.5)
+        if agent.terminal:
+            # The watchdog ended it: the thread is abandoned (or came back with
+            # whatever killing CRIU made of it); the watchdog's reason stands,
+            # once it has recorded everything.
+            await asyncio.to_thread(agent.flow_aborted.wait, 60)
+            if flow.done():
+                flow.exception()  # retrieved, so asyncio does not log it
+            return web.json_response(
+                {
+                    "error": agent.status.message,
+                    "reason": "watchdog",
+                    "status": agent.status_doc(proxy.inflight),
+                },
+                status=500,
+            )
         try:
-            man = await asyncio.to_thread(agent.run_checkpoint, target)
+            man = flow.result()
         except checkpoint.CheckpointError as e:
             return web.json_response(
-                {"error": str(e), "status": agent.status_doc(proxy.inflight)}, status=500
+                {
+                    "error": str(e),
+                    "reason": e.reason,
+                    "status": agent.status_doc(proxy.inflight),
+                },
+                status=500,
             )
         return web.json_response(man)
     finally:
+        agent.unguard()
         agent.flow_lock.release()
 
 
@@ -223,7 +339,7 @@ def admin_app(agent: Agent, proxy: Proxy) -> web.Application:
 
 
 def proxy_app(agent: Agent, proxy: Proxy) -> web.Application:
-    app = web.Application(client_max_size=64 << 20)
+    app = web.Application(client_max_size=agent.cfg.proxy_max_body_mb << 20)
     app[AGENT_KEY] = agent
     app[PROXY_KEY] = proxy
     app.router.add_route("*", "/{tail:.*}", proxy_handler)

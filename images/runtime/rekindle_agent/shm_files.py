@@ -13,6 +13,7 @@ import errno
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 from rekindle_agent import proctree
 
@@ -38,13 +39,19 @@ def tree_shm_files(pids: list[int], shm_dir: str = SHM, proc: Path = proctree.PR
     return names
 
 
-def copy_sparse(src: str, dst: str, mode: int | None = None) -> int:
-    """Copy src to dst keeping holes (SEEK_DATA/SEEK_HOLE); returns bytes of data copied."""
+def copy_sparse(src: str, dst: str, mode: int | None = None, exclusive: bool = False) -> int:
+    """Copy src to dst keeping holes (SEEK_DATA/SEEK_HOLE); returns bytes of data copied.
+
+    exclusive: dst must not exist and is never followed as a symlink (a restore
+    writes into /dev/shm, which other containers of the pod share).
+    """
     copied = 0
     sfd = os.open(src, os.O_RDONLY)
     try:
         size = os.fstat(sfd).st_size
-        dfd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if mode is None else mode)
+        flags = os.O_WRONLY | os.O_CREAT
+        flags |= os.O_EXCL | os.O_NOFOLLOW if exclusive else os.O_TRUNC
+        dfd = os.open(dst, flags, 0o600 if mode is None else mode)
         try:
             os.ftruncate(dfd, size)
             pos = 0
@@ -91,7 +98,7 @@ def save(names: set[str], dest: Path, shm_dir: str = SHM) -> list[dict[str, obje
             {
                 "name": name,
                 "size": st.st_size,
-                "mode": stat.S_IMODE(st.st_mode),
+                "mode": stat.S_IMODE(st.st_mode) & 0o777,
                 "uid": st.st_uid,
                 "gid": st.st_gid,
             }
@@ -99,17 +106,27 @@ def save(names: set[str], dest: Path, shm_dir: str = SHM) -> list[dict[str, obje
     return records
 
 
-def recreate(records: list[dict[str, object]], src: Path, shm_dir: str = SHM) -> int:
-    """Put the saved files back into shm_dir with their mode and owner; returns data bytes."""
+def recreate(records: list[dict[str, Any]], src: Path, shm_dir: str = SHM) -> int:
+    """Put the saved files back into shm_dir with their owner and a safe mode; data bytes.
+
+    The records come from a validated manifest (manifest_io.validate_paths):
+    each name is one file name, each mode without setuid/setgid/sticky; the
+    mode is masked to at most rwxr-xr-x here as well.
+    """
     total = 0
     for rec in records:
         name = str(rec["name"])
+        if "/" in name or name in ("", ".", ".."):
+            raise ValueError(f"shm file name {name!r} is not a single file name")
+        mode = int(rec["mode"])
+        if mode & 0o7000:
+            raise ValueError(f"shm file {name!r}: mode {mode:o} has setuid/setgid/sticky bits")
         dst = os.path.join(shm_dir, name)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(dst)
-        total += copy_sparse(str(src / name), dst, mode=int(str(rec["mode"])))
+        total += copy_sparse(str(src / name), dst, mode=mode & 0o755, exclusive=True)
         with contextlib.suppress(PermissionError):
-            os.chown(dst, int(str(rec["uid"])), int(str(rec["gid"])))
+            os.chown(dst, int(rec.get("uid", 0)), int(rec.get("gid", 0)), follow_symlinks=False)
     return total
 
 

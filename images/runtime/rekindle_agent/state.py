@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from rekindle_contract.api import STATES, LastCheckpoint, Origin, State, StatusDoc
+from rekindle_contract.api import STATES, LastCheckpoint, Origin, SecurityDoc, State, StatusDoc
 
 # Allowed transitions; anything else is a bug in the agent, not a user error.
 TRANSITIONS: dict[State, set[State]] = {
@@ -44,6 +44,11 @@ class Status:
     last_fallback: dict[str, Any] | None = None
     last_checkpoint: LastCheckpoint | None = None
     weights_rpc: str = "unknown"  # available | unavailable
+    security: SecurityDoc = field(
+        default_factory=lambda: SecurityDoc(
+            checkpoint_signing="unsigned", signing_key_id=None, verify="blake3", serve_api_key=False
+        )
+    )
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def set_state(self, new: State, message: str = "") -> None:
@@ -77,4 +82,5 @@ class Status:
                 "vllm_pid": vllm_pid,
                 "inflight": inflight,
                 "states": list(STATES),
+                "security": SecurityDoc(**self.security),
             }

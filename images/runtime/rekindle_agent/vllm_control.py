@@ -67,17 +67,25 @@ class VllmControl:
             body["kwargs"] = kwargs
         return self._post("/collective_rpc", body)
 
-    def release(self, weights_dir: str) -> dict[str, float]:
-        """Dump the weights once, then free weights and KV cache; phase seconds."""
-        t = {}
-        t0 = time.monotonic()
+    def dump_weights(self, weights_dir: str) -> None:
+        """The flat weight dump, once per checkpoint (nothing is freed yet)."""
         self.rpc(DUMP_WEIGHTS, weights_dir)
-        t["dump_weights"] = time.monotonic() - t0
-        t0 = time.monotonic()
+
+    def release_weights(self) -> None:
+        """Free weights and KV cache (level-2 sleep on GPU, the extension on CPU)."""
         if self.device == "cuda":
             self._post("/sleep?level=2")
         else:
             self.rpc(RELEASE_WEIGHTS)
+
+    def release(self, weights_dir: str) -> dict[str, float]:
+        """Dump the weights once, then free weights and KV cache; phase seconds."""
+        t = {}
+        t0 = time.monotonic()
+        self.dump_weights(weights_dir)
+        t["dump_weights"] = time.monotonic() - t0
+        t0 = time.monotonic()
+        self.release_weights()
         t["release"] = time.monotonic() - t0
         return t
 

@@ -11,7 +11,7 @@ import importlib.util
 import os
 
 from rekindle_contract.rpc import WORKER_EXTENSION
-from rekindle_contract.vllm_argv import VllmOptions
+from rekindle_contract.vllm_argv import VllmOptions, vllm_argv
 
 from rekindle_agent.config import AgentConfig
 
@@ -75,3 +75,8 @@ def vllm_env(
     if run_dir is not None:
         env["TMPDIR"] = os.path.join(run_dir, "tmp")
     return env
+
+
+def vllm_command(cfg: AgentConfig) -> tuple[list[str], dict[str, str]]:
+    """vLLM's argv and environment for cfg (what the agent starts and fingerprints)."""
+    return vllm_argv(vllm_options(cfg)), vllm_env(cfg.device, run_dir=cfg.run_dir)

@@ -1,0 +1,216 @@
+"""CRIU's own test suite (zdtm) with the patched CRIU restoring with --mmap-restore.
+
+test/zdtm.py, from the CRIU tree that `scripts/build-criu --zdtm` builds, runs once with
+stock CRIU and once with the patched CRIU whose every restore gets --mmap-restore (a
+wrapper script): every test that passes with stock must pass with the patch. Host
+flavor (`-f h`), every test as root (ZDTM_AS_ROOT, see criu-patches/README.md).
+
+By default a representative subset runs (SUBSET: the memory tests and a spread of the
+rest, about a minute per CRIU); REKINDLE_ZDTM=all runs every static and transition test
+(about 7 minutes for both). The results are printed at the end of the pytest output
+(conftest.py) and written to zdtm-results.json in the test's tmp dir.
+"""
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from . import criu_helpers
+
+pytestmark = pytest.mark.criu
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Memory first (what --mmap-restore changes), then a spread of the rest.
+_SUBSET = """
+static/maps00 static/maps01 static/maps02 static/maps03 static/maps04 static/maps05
+static/maps06 static/maps09 static/maps10 static/maps11 static/maps12 static/maps_file_prot
+static/mprotect00 static/mem-touch static/mlock_setuid static/mtime_mmap static/shm
+static/shm-mp static/shm-unaligned static/shmemfd static/shmemfd-priv static/cow00
+static/cow01 static/vdso00 static/vdso01 static/vdso02 static/vdso-proxy static/grow_map
+static/grow_map02 static/grow_map03 static/thp_disable static/uffd-events
+static/write_read00 static/write_read01 static/write_read02 static/write_read10
+static/pthread00 static/pthread01 static/pthread02 static/pthread_timers static/vfork00
+static/zombie00 static/zombie01 static/env00 static/sigaltstack static/sigpending
+static/session00 static/pipe00 static/socket_listen static/sockets00 static/unlink_mmap00
+static/unlink_mmap01 static/unlink_mmap02 static/file_locks00 static/file_locks01
+static/file_lease00 static/ofd_file_locks static/memfd00 static/memfd01 static/memfd02
+static/memfd03 static/aio00 static/aio01 static/different_creds static/seccomp_strict
+static/timerfd static/inotify00 static/fanotify00 static/posix_timers static/rlimits00
+static/file_shared static/pdeath_sig static/child_subreaper static/poll static/futex
+static/rseq00 static/membarrier transition/fork transition/fork2 transition/thread-bomb
+transition/maps007 transition/maps008 transition/pid_reuse transition/shmem
+transition/lazy-thp transition/epoll transition/file_read transition/stack transition/ptrace
+"""
+SUBSET = _SUBSET.split()
+
+# Pass with stock, fail with --mmap-restore, for a difference criu-patches/README.md
+# documents (and the agent must keep such programs off the option); per patched run.
+KNOWN_DIFFERENCES = {
+    "default": {
+        "zdtm/static/uffd-events": "after the restore, expects zeroes after MADV_DONTNEED on "
+        "plain anonymous memory, then grows and moves whole VMAs with mremap() (EFAULT)",
+    },
+    "small-runs": {
+        "zdtm/static/uffd-events": "as above",
+        "zdtm/static/vdso-proxy": "expects at most 2 VMAs more after the restore; every mapped "
+        "run splits its VMA (with the default 128 KiB runs none of its VMAs is mapped)",
+    },
+}
+
+_LINE = re.compile(r"Test (zdtm/\S+) (PASS|FAIL)(?: at (.*?))?\s*[=#]*$")
+_SKIP = re.compile(r"Skipping (zdtm/\S+) \((.*)\)")
+
+
+def zdtm_tree() -> Path:
+    res = subprocess.run(
+        [str(REPO / "scripts" / "build-criu"), "--zdtm"],
+        stdout=subprocess.PIPE,
+        text=True,
+        timeout=1800,
+        check=False,
+    )
+    assert res.returncode == 0, "scripts/build-criu --zdtm failed (its progress is on stderr)"
+    tree = Path(res.stdout.strip().splitlines()[-1])
+    assert (tree / "test" / "zdtm.py").is_file(), tree
+    return tree
+
+
+def mmap_wrapper(criu: Path, where: Path, small_runs: bool) -> Path:
+    """A criu that is the patched one, with --mmap-restore on every restore.
+
+    small_runs: CRIU_FAULT=139 (FI_MMAP_RESTORE_SMALL_RUNS) maps runs of pages down
+    to 2 pages instead of 128 KiB: zdtm's processes are small, and this way far more
+    of their restores go through the mapping.
+    """
+    fault = "CRIU_FAULT=139 " if small_runs else ""
+    w = where / ("criu-mmap-restore-small-runs" if small_runs else "criu-mmap-restore")
+    w.write_text(f"""#!/bin/sh
+if [ "$1" = restore ]; then
+\t{fault}exec {criu} "$@" --mmap-restore
+fi
+exec {criu} "$@"
+""")
+    w.chmod(0o755)
+    return w
+
+
+def run_zdtm(tree: Path, criu: Path, tests: list[str] | None, out: Path) -> dict[str, str]:
+    """Run zdtm.py; returns {test: PASS | FAIL at ... | SKIP (why)}."""
+    cmd = [
+        "/usr/bin/python3",
+        "zdtm.py",
+        "run",
+        "-f",
+        "h",
+        "--keep-going",
+        "-p",
+        "2",
+        "--keep-img",
+        "always",
+        "--criu-bin",
+        str(criu),
+    ]
+    if tests is None:
+        cmd.append("-a")
+    else:
+        # -T (a regexp), not --from, which stops at the first failure
+        cmd += ["-T", "^zdtm/(" + "|".join(re.escape(t) for t in tests) + ")$"]
+    env = dict(os.environ, ZDTM_AS_ROOT="1", PATH="/usr/bin:/usr/sbin:/bin:/sbin")
+    subprocess.run(["rm", "-rf", str(tree / "test" / "dump")], check=True)
+    with open(out, "w") as log:
+        subprocess.run(
+            cmd,
+            cwd=tree / "test",
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            timeout=3000,
+            check=False,
+        )
+    results: dict[str, str] = {}
+    for line in out.read_text(errors="replace").splitlines():
+        if m := _LINE.search(line):
+            results[m[1]] = "PASS" if m[2] == "PASS" else f"FAIL at {m[3] or '?'}"
+        elif m := _SKIP.search(line):
+            results[m[1]] = f"SKIP ({m[2]})"
+    return results
+
+
+def mapped_tests(tree: Path) -> list[str]:
+    """Tests whose restore mapped memory from the image (the patch took effect)."""
+    hits = []
+    for log in (tree / "test" / "dump").glob("zdtm/*/*/*/*/restore.log"):
+        if "mmap-restore: mapping" in log.read_text(errors="replace"):
+            hits.append("/".join(log.parts[-5:-3]))
+    return sorted(set(hits))
+
+
+def count(results: dict[str, str], names: list[str]) -> dict[str, int]:
+    return {
+        k: sum(1 for t in names if results.get(t, "").startswith(k))
+        for k in ("PASS", "FAIL", "SKIP")
+    }
+
+
+def test_zdtm(criu_prefix: Path, tmp_path: Path) -> None:
+    if not Path("/usr/bin/python3").exists():
+        pytest.skip("zdtm.py runs with the system python3 (/usr/bin/python3), which is missing")
+    tree = zdtm_tree()
+    full = os.environ.get("REKINDLE_ZDTM") == "all"
+    tests = None if full else SUBSET
+    patched_criu = criu_prefix / "patched" / "criu"
+
+    stock = run_zdtm(tree, criu_prefix / "stock" / "criu", tests, tmp_path / "stock.log")
+    runs: dict[str, dict[str, str]] = {}
+    mapped: dict[str, list[str]] = {}
+    for mode in ("default", "small-runs"):
+        wrapper = mmap_wrapper(patched_criu, tmp_path, mode == "small-runs")
+        runs[mode] = run_zdtm(tree, wrapper, tests, tmp_path / f"patched-{mode}.log")
+        mapped[mode] = mapped_tests(tree)
+
+    names = sorted(set(stock).union(*runs.values()))
+    summary: dict[str, Any] = {
+        "set": "all" if full else f"subset of {len(SUBSET)}",
+        "stock": count(stock, names),
+        "fail_both": {
+            t: [stock[t]] + [runs[m].get(t) for m in runs]
+            for t in names
+            if stock.get(t, "").startswith("FAIL")
+        },
+        "runs": {},
+    }
+    regressions: dict[str, list[str]] = {}
+    for mode, res in runs.items():
+        differ = [t for t in names if stock.get(t) == "PASS" and res.get(t) != "PASS"]
+        regressions[mode] = [t for t in differ if t not in KNOWN_DIFFERENCES[mode]]
+        summary["runs"][mode] = {
+            "counts": count(res, names),
+            "mapped_by_patch": len(mapped[mode]),
+            "regressions": regressions[mode],
+            "known_differences": {
+                t: KNOWN_DIFFERENCES[mode][t] for t in differ if t not in regressions[mode]
+            },
+            "only_patched_passes": [
+                t for t in names if res.get(t) == "PASS" and stock.get(t) != "PASS"
+            ],
+        }
+    summary["results"] = {t: [stock.get(t)] + [runs[m].get(t) for m in runs] for t in names}
+    (tmp_path / "zdtm-results.json").write_text(json.dumps(summary, indent=1))
+    criu_helpers.ZDTM_SUMMARY.append(summary)
+
+    assert stock, f"zdtm ran nothing: {tmp_path / 'stock.log'}"
+    assert summary["stock"]["PASS"] > 0
+    assert not any(regressions.values()), (
+        f"pass with stock, not with --mmap-restore: {regressions} (logs in {tmp_path})"
+    )
+    # The option must have done something: restores that mapped memory from the image.
+    # zdtm's processes are small: with 128 KiB runs few restores map anything (3 of
+    # the subset), with 2-page runs most do (54 of the subset).
+    assert mapped["default"] and len(mapped["small-runs"]) >= 20, mapped

@@ -174,6 +174,8 @@ def test_zdtm(criu_prefix: Path, tmp_path: Path) -> None:
         wrapper = mmap_wrapper(patched_criu, tmp_path, mode == "small-runs")
         runs[mode] = run_zdtm(tree, wrapper, tests, tmp_path / f"patched-{mode}.log")
         mapped[mode] = mapped_tests(tree)
+    # The images zdtm kept (for mapped_tests) take hundreds of MB; its logs stay.
+    subprocess.run(["rm", "-rf", str(tree / "test" / "dump")], check=True)
 
     names = sorted(set(stock).union(*runs.values()))
     summary: dict[str, Any] = {

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rekindle_operator.quantity import parse_quantity
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "scripts"
 
@@ -86,26 +88,9 @@ def create_namespace(prefix: str) -> str:
 UNSCHEDULABLE_GRACE_S = 20.0
 
 
-QUANTITY_SUFFIXES = {
-    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40,
-    "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
-}  # fmt: skip
-
-
 def quantity(q: str) -> float:
     """A Kubernetes quantity ("100m", "1k", "6Gi") as a number."""
-    for suffix in sorted(QUANTITY_SUFFIXES, key=len, reverse=True):
-        if q.endswith(suffix):
-            return float(q[: -len(suffix)]) * QUANTITY_SUFFIXES[suffix]
-    return float(q)
-
-
-def _cpu(q: str) -> float:
-    return quantity(q)
-
-
-def _bytes(q: str) -> int:
-    return int(quantity(q))
+    return float(parse_quantity(q))
 
 
 def pod_requests(pod: dict[str, Any]) -> tuple[float, int]:
@@ -113,8 +98,8 @@ def pod_requests(pod: dict[str, Any]) -> tuple[float, int]:
     cpu, mem = 0.0, 0
     for c in pod["spec"].get("containers", []):
         req = (c.get("resources") or {}).get("requests") or {}
-        cpu += _cpu(str(req.get("cpu", "0")))
-        mem += _bytes(str(req.get("memory", "0")))
+        cpu += quantity(str(req.get("cpu", "0")))
+        mem += int(quantity(str(req.get("memory", "0"))))
     return cpu, mem
 
 
@@ -123,7 +108,7 @@ def node_room() -> tuple[float, int, list[str]]:
     and which pods hold what (to say what occupies it)."""
     node = kubectl_json("get", "nodes")["items"][0]
     alloc = node["status"]["allocatable"]
-    cpu, mem = _cpu(alloc["cpu"]), _bytes(alloc["memory"])
+    cpu, mem = quantity(alloc["cpu"]), int(quantity(alloc["memory"]))
     holders = []
     for pod in kubectl_json("get", "pods", "-A")["items"]:
         if pod["status"].get("phase") in ("Succeeded", "Failed"):

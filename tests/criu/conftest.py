@@ -3,12 +3,13 @@
 import os
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from . import criu_helpers
-from .criu_helpers import Flavor, flavors
+from .criu_helpers import Flavor, Probe, flavors
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -70,6 +71,16 @@ def memmix(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def memprobe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The memprobe test program (semantics probes, process trees), compiled with gcc."""
     return _compile(tmp_path_factory, "memprobe")
+
+
+@pytest.fixture
+def probe(memprobe: Path, tmp_path: Path) -> Iterator[Probe]:
+    """A memprobe tree (memprobe.c) for one test, killed afterwards."""
+    p = Probe(memprobe, tmp_path / "run")
+    try:
+        yield p
+    finally:
+        p.kill()
 
 
 @pytest.fixture(params=["stock", "patched"])

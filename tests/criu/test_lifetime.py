@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,15 +22,6 @@ pytestmark = pytest.mark.criu
 
 # An OFD read lock on byte 0x43524955 ("CRIU") of the image: criu-patches, image.h
 MARK = 0x43524955
-
-
-@pytest.fixture
-def probe(memprobe: Path, tmp_path: Path) -> Iterator[Probe]:
-    p = Probe(memprobe, tmp_path / "run")
-    try:
-        yield p
-    finally:
-        p.kill()
 
 
 def sha(images: Path) -> dict[str, str]:

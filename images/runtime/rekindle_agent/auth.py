@@ -11,13 +11,18 @@ from rekindle_agent.config import ConfigError
 MIN_TOKEN_BYTES = 16
 
 
-def read_token(path: str) -> bytes:
+def read_secret(path: str, missing: str) -> bytes:
+    """A mounted Secret's value, whitespace stripped; missing says what to mount on OSError."""
     try:
-        token = Path(path).read_bytes().strip()
-    except FileNotFoundError as e:
-        raise ConfigError(
-            f"token file {path} not found: mount the agent's Secret there or pass --token-file"
-        ) from e
+        return Path(path).read_bytes().strip()
+    except OSError as e:
+        raise ConfigError(missing.format(path=path, why=e.strerror or e)) from e
+
+
+def read_token(path: str) -> bytes:
+    token = read_secret(
+        path, "token file {path}: {why}; mount the agent's Secret there or pass --token-file"
+    )
     if len(token) < MIN_TOKEN_BYTES:
         raise ConfigError(
             f"token in {path} is shorter than {MIN_TOKEN_BYTES} bytes; use a random token"
@@ -27,13 +32,10 @@ def read_token(path: str) -> bytes:
 
 def read_api_key(path: str) -> bytes:
     """The serve port's API key (the user's Secret): any non-empty value."""
-    try:
-        key = Path(path).read_bytes().strip()
-    except OSError as e:
-        raise ConfigError(
-            f"API key file {path}: {e.strerror or e}; mount the API key Secret there "
-            "or drop --api-key-file"
-        ) from e
+    key = read_secret(
+        path,
+        "API key file {path}: {why}; mount the API key Secret there or drop --api-key-file",
+    )
     if not key or b"\n" in key:
         raise ConfigError(f"API key in {path} is empty or spans lines")
     return key

@@ -21,11 +21,11 @@ import hashlib
 import hmac
 import json
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from rekindle_contract.manifest import SIGNATURE_ALGORITHM, SIGNATURE_KEY
 
+from rekindle_agent.auth import read_secret
 from rekindle_agent.config import ConfigError
 
 MIN_KEY_BYTES = 32
@@ -37,13 +37,11 @@ class SignatureError(ValueError):
 
 def read_key(path: str) -> bytes:
     """The signing key (a mounted Secret): at least MIN_KEY_BYTES, whitespace stripped."""
-    try:
-        key = Path(path).read_bytes().strip()
-    except OSError as e:
-        raise ConfigError(
-            f"signing key file {path}: {e.strerror or e}; mount the service's signing key "
-            "Secret there or drop --signing-key-file (checkpoints are then unsigned)"
-        ) from e
+    key = read_secret(
+        path,
+        "signing key file {path}: {why}; mount the service's signing key Secret there "
+        "or drop --signing-key-file (checkpoints are then unsigned)",
+    )
     if len(key) < MIN_KEY_BYTES:
         raise ConfigError(
             f"signing key in {path} is shorter than {MIN_KEY_BYTES} bytes; use a random key"

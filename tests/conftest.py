@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 from pathlib import Path
@@ -31,6 +32,20 @@ def criu_prefix() -> Path:
         [str(REPO / "scripts" / "build-criu")], check=True, stdout=subprocess.PIPE, text=True
     ).stdout
     return Path(out.strip().splitlines()[-1])
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Checkpoints made by tests have immutable pages images: clear the flag so pytest
+    (and anyone) can delete its temporary directories later."""
+    if os.geteuid() != 0:
+        return
+    from rekindle_agent.immutable import set_immutable
+
+    base = session.config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined]
+    for img in Path(base).rglob("pages-*.img"):
+        if img.is_file() and not img.is_symlink():
+            with contextlib.suppress(OSError):
+                set_immutable(img, False)
 
 
 @pytest.fixture()

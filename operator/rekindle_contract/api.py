@@ -123,6 +123,16 @@ class LastCheckpoint(TypedDict, total=False):
     error: str  # when not ok
     reason: str  # when not ok: one of CHECKPOINT_FAILURE_REASONS
     timings: dict[str, float]  # seconds per phase, when ok
+    # How its pages images are protected for the replicas that map them:
+    # "immutable" (chattr +i), or "read-only: <why not immutable>".
+    images_protection: str
+
+
+class RestoreMemoryDoc(TypedDict):
+    """StatusDoc.restore_memory: how the last restore brought the memory back, and why."""
+
+    path: Literal["mmap", "copy"]  # mapped from the images (--mmap-restore) or copied
+    why: str
 
 
 class SecurityDoc(TypedDict):
@@ -141,6 +151,7 @@ class StatusDoc(TypedDict):
     ready: bool
     origin: Origin
     restored_with_mmap: bool
+    restore_memory: RestoreMemoryDoc | None  # None until a restore was tried
     checkpoint: str | None  # the checkpoint the running vLLM came from
     message: str
     started_at: float  # wall clock when the agent started
@@ -166,6 +177,7 @@ class StatusReply:
     timings: dict[str, dict[str, float]] = field(default_factory=dict)
     last_fallback: dict[str, Any] | None = None
     restored_with_mmap: bool = False
+    restore_memory: dict[str, Any] | None = None
     message: str = ""
     started_at: float | None = None
     ready_at: float | None = None
@@ -183,6 +195,7 @@ class StatusReply:
             timings=data.get("timings", {}),
             last_fallback=data.get("last_fallback"),
             restored_with_mmap=bool(data.get("restored_with_mmap", False)),
+            restore_memory=data.get("restore_memory"),
             message=str(data.get("message", "")),
             started_at=data.get("started_at"),
             ready_at=data.get("ready_at"),

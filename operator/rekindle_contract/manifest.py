@@ -44,6 +44,9 @@ class Manifest(TypedDict, total=False):
     shm_files: list[dict[str, Any]]  # name, size, mode (saved under shm/)
     extra_files: list[dict[str, Any]]  # absolute path -> saved copy under files/
     criu: dict[str, Any]  # binary, version, dump flags
+    # The dumped tree's facts that decide whether a restore may map the images
+    # (rekindle_agent.mmap_policy.tree_facts): allocators, userfaultfd, VMAs, sysctls.
+    mmap: dict[str, Any]
     files: list[FileEntry]
     timings: dict[str, float]  # seconds per checkpoint phase
     verified: dict[str, Any]  # set once a restore from it served

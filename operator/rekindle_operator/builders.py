@@ -466,8 +466,13 @@ def build_cleanup_job(
                 "name": "rm",
                 "image": image,
                 "imagePullPolicy": pull_policy,
-                "command": ["rm", "-rf", "--one-file-system", path],
-                "securityContext": {"allowPrivilegeEscalation": False, "privileged": False},
+                # The agent's CLI clears the pages images' immutable flag, then removes.
+                "command": ["rekindle", "remove-checkpoint", path],
+                "securityContext": {
+                    "allowPrivilegeEscalation": False,
+                    "privileged": False,
+                    "capabilities": {"drop": ["ALL"], "add": ["LINUX_IMMUTABLE"]},
+                },
                 "volumeMounts": [mount],
             }
         ],

@@ -206,7 +206,11 @@ def test_cleanup_job_only_below_checkpoint_mount() -> None:
     vol = b.checkpoint_volume(s)
     job = b.build_cleanup_job("ns", "c1", "uid-1", f"{CHECKPOINT_MOUNT}/c1-abc", vol, s.image)
     pod = job["spec"]["template"]["spec"]
-    assert pod["containers"][0]["command"][-1].endswith("c1-abc")
+    rm = pod["containers"][0]
+    # The agent's CLI clears the pages images' immutable flag: that capability, no other.
+    assert rm["command"] == ["rekindle", "remove-checkpoint", f"{CHECKPOINT_MOUNT}/c1-abc"]
+    assert rm["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["LINUX_IMMUTABLE"]}
+    assert rm["securityContext"]["privileged"] is False
     assert pod["volumes"][0]["hostPath"]["path"] == "/data/ck"
     for bad in ("/etc", f"{CHECKPOINT_MOUNT}/../x", CHECKPOINT_MOUNT):
         with pytest.raises(ValueError, match="refusing"):

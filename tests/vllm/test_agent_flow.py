@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rekindle_agent import criu
+from rekindle_agent import criu, immutable
 from rekindle_contract import api
 from rekindle_contract.api import AgentError
 
@@ -42,6 +42,7 @@ class Shared:
     after_verify: list[str]
     outcomes: list[tuple[str, Any]]
     refused_headers: list[str]
+    status: dict[str, Any]  # the booted agent's status after its checkpoint
 
 
 def _load(agent: AgentProc, stop: threading.Event, outcomes: list[tuple[str, Any]], i: int) -> None:
@@ -84,6 +85,7 @@ def shared(agent_factory: AgentFactory) -> Iterator[Shared]:
         st = agent.wait_ready(60)
         assert st.origin == "restored", st.raw
         assert st.timings["checkpoint"]["criu_dump"] > 0
+        s.status = st.raw
         s.after_verify = completions(agent)
     except BaseException:
         print(agent.tail(200))
@@ -108,6 +110,31 @@ def test_checkpoint_manifest_and_verification(shared: Shared) -> None:
     assert on_disk["verified"]["restore_seconds"]["total"] > 0
     # The verification restore serves the same greedy completions as before the dump.
     assert shared.after_verify == shared.before
+    # ... and it copied the memory, so this pod can be checkpointed again.
+    assert shared.status["restore_memory"]["path"] == "copy"
+    assert shared.status["restore_memory"]["why"].startswith("proving a new checkpoint")
+
+
+def test_checkpoint_records_the_trees_facts_and_protects_its_pages(shared: Shared) -> None:
+    """What the restore's mmap decision reads: vLLM on glibc malloc, no userfaultfd."""
+    facts = shared.manifest["mmap"]
+    assert facts["allocators"] == [] and facts["userfaultfd_pids"] == []
+    assert 100 < facts["max_vmas"] < facts["max_map_count"]
+    assert facts["overcommit_memory"] in (0, 1)
+    pages = sorted((shared.ckpt / "images").glob("pages-*.img"))
+    probe = shared.ckpt.parent / "immutable-probe"
+    probe.write_bytes(b"x")
+    supported = immutable.set_immutable(probe)
+    if supported:
+        immutable.set_immutable(probe, False)
+    protection = shared.status["last_checkpoint"]["images_protection"]
+    if supported:
+        assert protection == "immutable"
+        assert pages and all(immutable.is_immutable(p) for p in pages)
+        with pytest.raises(PermissionError):  # root included
+            pages[0].open("r+b")
+    else:
+        assert protection.startswith("read-only: ")
 
 
 def test_no_request_lost_during_checkpoint(shared: Shared) -> None:
@@ -136,6 +163,12 @@ def test_restore_in_new_namespace_twice(shared: Shared, agent_factory: AgentFact
             assert st.origin == "restored", (st.raw, agent.tail(100))
             assert st.last_fallback is None
             assert st.raw["restored_with_mmap"] == (has_mmap and attempt == 0)
+            memory = st.raw["restore_memory"]
+            assert memory["path"] == ("mmap" if st.raw["restored_with_mmap"] else "copy")
+            if attempt == 1:
+                assert memory["why"] == "--mmap-restore off"
+            elif has_mmap:
+                assert "no jemalloc/tcmalloc/mimalloc" in memory["why"], memory
             assert completions(agent) == shared.before
             restore = st.timings["restore"]
             assert restore["criu_restore"] > 0 and restore["total"] > 0
@@ -144,6 +177,26 @@ def test_restore_in_new_namespace_twice(shared: Shared, agent_factory: AgentFact
             assert start_to_ready is not None and start_to_ready >= restore["total"]
         finally:
             agent.stop()
+
+
+def test_mmap_refused_for_a_tree_that_needs_anonymous_memory(
+    shared: Shared, agent_factory: AgentFactory, tmp_path: Path
+) -> None:
+    """A dumped tree that mapped jemalloc (as its facts say) is restored by copying."""
+    if not criu.probe(str(agent_factory.criu)).mmap_restore:
+        pytest.skip("this CRIU has no --mmap-restore")
+    ckpt = shadow_checkpoint(shared.ckpt, tmp_path / "ckpt")
+    edit_manifest(ckpt, lambda d: d["mmap"].update(allocators=["jemalloc"]))
+    agent = agent_factory.start(name="nommap", checkpoint=str(ckpt))
+    try:
+        st = agent.wait_ready(300)
+        assert st.origin == "restored", (st.raw, agent.tail(50))
+        assert not st.raw["restored_with_mmap"]
+        assert st.raw["restore_memory"]["path"] == "copy"
+        assert "jemalloc" in st.raw["restore_memory"]["why"]
+        assert completions(agent) == shared.before
+    finally:
+        agent.stop()
 
 
 def test_checkpoint_of_a_restored_server(shared: Shared, agent_factory: AgentFactory) -> None:

@@ -27,14 +27,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rekindle_contract.api import SecurityDoc, State, StatusDoc
-from rekindle_contract.manifest import SIGNATURE_ALGORITHM, Manifest
+from rekindle_contract.api import RestoreMemoryDoc, SecurityDoc, State, StatusDoc
+from rekindle_contract.manifest import IMAGES_SUBDIR, SIGNATURE_ALGORITHM, Manifest
 
 from rekindle_agent import (
     checkpoint,
     criu,
     fingerprint,
+    immutable,
     manifest_io,
+    mmap_policy,
     reaper,
     restore,
     shm_files,
@@ -144,10 +146,9 @@ class Agent:
     def status_doc(self, inflight: int = 0) -> StatusDoc:
         return self.status.to_json(vllm_pid=self.vllm.root_pid, inflight=inflight)
 
-    def mmap_for_restore(self) -> bool:
+    def mmap_decision(self, man: Manifest, ckpt: Path) -> mmap_policy.Decision:
+        """Map the images or copy them, for this checkpoint on this node (mmap_policy)."""
         mode = self.cfg.mmap_restore
-        if mode == "off":
-            return False
         info = self.criu_info()
         if mode == "on" and not info.mmap_restore:
             raise restore.RestoreError(
@@ -155,7 +156,7 @@ class Agent:
                 f"--mmap-restore on, but {info.binary} has no "
                 f"{criu.MMAP_RESTORE_FLAG}; use the patched CRIU or --mmap-restore auto",
             )
-        return info.mmap_restore
+        return mmap_policy.decide(mode, info.mmap_restore, man.get("mmap"), ckpt / IMAGES_SUBDIR)
 
     # -- flows ---------------------------------------------------------------------
     def boot(self) -> None:
@@ -188,6 +189,7 @@ class Agent:
         self.status.origin = "booted"
         self.status.checkpoint = None
         self.status.restored_with_mmap = False
+        self.status.restore_memory = None
         self.set_state("Ready", "booted")
 
     def restore_or_fallback(
@@ -195,15 +197,23 @@ class Agent:
         ckpt: Path,
         *,
         require_verified: bool,
-        mmap: bool | None = None,
+        copy_why: str = "",
         boot_on_failure: bool = True,
     ) -> bool:
-        """Restore; on any failure record why and boot normally (or fail). True if restored."""
+        """Restore; on any failure record why and boot normally (or fail). True if restored.
+
+        copy_why forces the copying restore and says why; otherwise mmap_decision decides.
+        """
         self.set_state("Restoring", f"restoring from {ckpt}")
+
+        def choose(man: Manifest) -> mmap_policy.Decision:
+            if copy_why:
+                return mmap_policy.Decision(False, copy_why)
+            return self.mmap_decision(man, ckpt)
+
         try:
-            use_mmap = self.mmap_for_restore() if mmap is None else mmap
             early = self.early.take_prefetcher(ckpt)
-            phases = restore.restore(
+            phases, memory = restore.restore(
                 ckpt,
                 self.vllm,
                 self.control,
@@ -213,7 +223,7 @@ class Agent:
                 prefetcher=early[1] if early else None,
                 manifest=early[0] if early else None,
                 require_verified=require_verified,
-                mmap=use_mmap,
+                choose_mmap=choose,
                 key=self.signing_key,
             )
         except Exception as e:  # a bug must not crash-loop the pod either
@@ -231,7 +241,9 @@ class Agent:
         self.metrics.ready_seconds.labels("restored").set(time.monotonic() - self.t_start)
         self.status.origin = "restored"
         self.status.checkpoint = str(ckpt)
-        self.status.restored_with_mmap = use_mmap
+        self.status.restored_with_mmap = memory.use
+        self.status.restore_memory = RestoreMemoryDoc(path=memory.path, why=memory.why)
+        log.info("restored memory by %s: %s", memory.path, memory.why)
         self.set_state("Ready", f"restored from {ckpt}")
         return True
 
@@ -380,7 +392,11 @@ class Agent:
         # Prove it: restore with the copying (stock) restore, so this pod's process
         # does not depend on the image files and can be checkpointed again.
         try:
-            restored = self.restore_or_fallback(ckpt, require_verified=False, mmap=False)
+            restored = self.restore_or_fallback(
+                ckpt,
+                require_verified=False,
+                copy_why="proving a new checkpoint: a copied tree can be checkpointed again",
+            )
         except Exception as e:  # the fallback boot failed too: the agent is Failed
             err = checkpoint.CheckpointError(
                 f"dumped, but restoring it failed, and so did booting vLLM again: {e}",
@@ -409,13 +425,28 @@ class Agent:
             )
             self._checkpoint_failed(ckpt, err)
             raise err from e
+        protection = self._protect(ckpt, man)
+        self.metrics.checkpoints.labels("ok").inc()
+        self.status.timings["checkpoint"] = dict(man["timings"])
+        self.status.last_checkpoint = {
+            "dir": str(ckpt),
+            "ok": True,
+            "timings": man["timings"],
+            "images_protection": protection,
+        }
+        return man
+
+    @staticmethod
+    def _protect(ckpt: Path, man: Manifest) -> str:
+        """Proven: every file 0400, the pages images immutable where the file system can."""
         not_read_only = manifest_io.make_read_only(ckpt, man["files"])
         if not_read_only:
             log.warning("could not make %s read-only: %s", ckpt, "; ".join(not_read_only[:5]))
-        self.metrics.checkpoints.labels("ok").inc()
-        self.status.timings["checkpoint"] = dict(man["timings"])
-        self.status.last_checkpoint = {"dir": str(ckpt), "ok": True, "timings": man["timings"]}
-        return man
+        not_immutable = immutable.protect_pages(ckpt / IMAGES_SUBDIR)
+        if not not_immutable:
+            return "immutable"
+        log.warning("pages images of %s not immutable: %s", ckpt, "; ".join(not_immutable[:3]))
+        return f"read-only: {not_immutable[0]}"
 
     def _dump(self, ckpt: Path) -> Manifest:
         try:

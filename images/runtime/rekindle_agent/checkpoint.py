@@ -36,6 +36,7 @@ from rekindle_agent import (
     fingerprint,
     io_uring,
     manifest_io,
+    mmap_policy,
     proctree,
     shm_files,
 )
@@ -173,6 +174,7 @@ def checkpoint(
         if found:
             raise CheckpointError(io_uring.error_message(found), reason="io_uring")
         shm_names = shm_files.tree_shm_files(pids)
+        mmap_facts = mmap_policy.tree_facts(pids)
         remap_dirs = {shm_files.SHM, *deleted_file_dirs(pids)}
         before = link_remaps(remap_dirs)
     except Exception as e:
@@ -262,6 +264,7 @@ def checkpoint(
                 "version": criu_info.version,
                 "dump_flags": list(criu.COMMON_FLAGS),
             },
+            "mmap": mmap_facts,
             "files": entries,
             "timings": phases,
         }

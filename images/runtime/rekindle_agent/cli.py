@@ -50,6 +50,20 @@ def run_agent(ns: argparse.Namespace) -> int:
     return run(agent, starter, early_stop)
 
 
+def remove_checkpoint(ns: argparse.Namespace) -> int:
+    """The cleanup Job's command: the pages images are immutable, so rm -rf cannot."""
+    from rekindle_agent.immutable import remove_tree
+
+    for path in ns.paths:
+        try:
+            remove_tree(Path(path))
+        except OSError as e:
+            print(f"rekindle remove-checkpoint: {path}: {e}", file=sys.stderr)
+            return 1
+        print(f"removed {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rekindle", description="Rekindle's in-pod agent")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -60,6 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     config.add_arguments(agent)
     agent.set_defaults(func=run_agent)
+    rm = sub.add_parser(
+        "remove-checkpoint",
+        help="delete checkpoint directories, immutable pages images included "
+        "(needs CAP_LINUX_IMMUTABLE); never crosses into another file system",
+    )
+    rm.add_argument("paths", nargs="+", metavar="DIR")
+    rm.set_defaults(func=remove_checkpoint)
     return parser
 
 

@@ -31,7 +31,15 @@ from rekindle_contract.manifest import (
     Manifest,
 )
 
-from rekindle_agent import criu, fingerprint, manifest_io, prefetch, proctree, shm_files
+from rekindle_agent import (
+    criu,
+    fingerprint,
+    manifest_io,
+    mmap_policy,
+    prefetch,
+    proctree,
+    shm_files,
+)
 from rekindle_agent.config import AgentConfig
 from rekindle_agent.vllm_control import VllmCallError, VllmControl
 from rekindle_agent.vllm_process import VllmProcess
@@ -126,11 +134,11 @@ def restore(
     fp: Callable[[], dict[str, Any]],
     prefetcher: prefetch.Prefetcher | None,
     require_verified: bool,
-    mmap: bool,
+    choose_mmap: Callable[[Manifest], mmap_policy.Decision],
     key: bytes | None = None,
     manifest: Manifest | None = None,
-) -> dict[str, float]:
-    """Run the whole restore; returns phase seconds. Raises RestoreError.
+) -> tuple[dict[str, float], mmap_policy.Decision]:
+    """Run the whole restore; returns phase seconds and how memory came back. Raises RestoreError.
 
     Nothing of the checkpoint is used before it is checked: the manifest's
     signature (with key), structure, paths and modes (manifest_io.read), the
@@ -186,6 +194,7 @@ def restore(
             manifest_io.check_files(ckpt, files)
         except manifest_io.ManifestError as e:
             raise RestoreError(e.reason, str(e)) from e
+        decision = choose_mmap(man)
         t = mark("validate", t)
         if pre is None and verify != "size":
             # Without the overlap everything is checked up front (and cached as it reads).
@@ -222,7 +231,7 @@ def restore(
             str(ckpt / IMAGES_SUBDIR),
             criu_log,
             pidfile,
-            mmap=mmap,
+            mmap=decision.use,
             plugins=cfg.criu_plugins,
             stopped=True,
         )
@@ -271,7 +280,7 @@ def restore(
             raise RestoreError("verify_failed", f"one-token completion failed: {e}") from e
         mark("first_token", t)
         phases["total"] = time.monotonic() - t_start
-        return phases
+        return phases, decision
     except BaseException:
         if pre is not None:
             pre.cancel()

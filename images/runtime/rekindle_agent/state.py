@@ -7,7 +7,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from rekindle_contract.api import STATES, LastCheckpoint, Origin, SecurityDoc, State, StatusDoc
+from rekindle_contract.api import (
+    STATES,
+    LastCheckpoint,
+    Origin,
+    RestoreMemoryDoc,
+    SecurityDoc,
+    State,
+    StatusDoc,
+)
 
 # Allowed transitions; anything else is a bug in the agent, not a user error.
 TRANSITIONS: dict[State, set[State]] = {
@@ -34,6 +42,7 @@ class Status:
     state: State = "Booting"
     origin: Origin = "none"
     restored_with_mmap: bool = False
+    restore_memory: RestoreMemoryDoc | None = None  # the last restore's path and why
     checkpoint: str | None = None  # the checkpoint the running vLLM came from
     message: str = ""
     started_at: float = field(default_factory=time.time)
@@ -71,6 +80,9 @@ class Status:
                 "ready": self.state == "Ready",
                 "origin": self.origin,
                 "restored_with_mmap": self.restored_with_mmap,
+                "restore_memory": RestoreMemoryDoc(**self.restore_memory)
+                if self.restore_memory
+                else None,
                 "checkpoint": self.checkpoint,
                 "message": self.message,
                 "started_at": self.started_at,

@@ -228,7 +228,10 @@ def format_status(isvc: dict[str, Any], checkpoints: list[dict[str, Any]]) -> st
     for p in st.get("pods") or []:
         why = f" ({p['reason']})" if p.get("reason") else ""
         agent = f", agent ready in {p['agentReadySeconds']}s" if "agentReadySeconds" in p else ""
-        lines.append(f"  pod {p['name']}: {p.get('origin')}{why}, ready={p.get('ready')}{agent}")
+        memory = f", memory {p['memory']} ({p.get('memoryReason', '')})" if p.get("memory") else ""
+        lines.append(
+            f"  pod {p['name']}: {p.get('origin')}{why}, ready={p.get('ready')}{agent}{memory}"
+        )
     for c in st.get("conditions") or []:
         lines.append(f"  {c['type']}={c['status']} {c.get('reason', '')}: {c.get('message', '')}")
     mine = [c for c in checkpoints if (c.get("spec") or {}).get("inferenceService") == name]

@@ -45,6 +45,8 @@ class PodBoot:
     checkpoint: str | None
     cold_start_seconds: float | None  # pod creation -> Ready
     agent_ready_seconds: float | None = None  # agent start -> first Ready (agent's clock)
+    memory: str = ""  # restored: "mmap" (mapped from the images) or "copy"
+    memory_reason: str = ""  # why the agent chose that path
 
 
 def cold_start_seconds(pod: Body) -> float | None:
@@ -98,6 +100,7 @@ def pod_boot(pod: Body, agent: StatusReply | None, agent_error: str | None) -> P
         reason = str(fallback.get("reason") or "no checkpoint to restore")
         if fallback.get("message"):
             reason += f": {fallback['message']}"
+    memory = (agent.restore_memory or {}) if origin == "restored" else {}
     return PodBoot(
         name,
         pod_ready(pod),
@@ -106,6 +109,8 @@ def pod_boot(pod: Body, agent: StatusReply | None, agent_error: str | None) -> P
         agent.checkpoint,
         cold_start_seconds(pod),
         agent_ready_seconds(pod, agent),
+        str(memory.get("path") or ""),
+        str(memory.get("why") or ""),
     )
 
 
@@ -225,6 +230,7 @@ def compute_status(old: Body, obs: Observed) -> dict[str, Any]:
                 "checkpoint": p.checkpoint or "",
                 **_seconds("coldStartSeconds", p.cold_start_seconds),
                 **_seconds("agentReadySeconds", p.agent_ready_seconds),
+                **({"memory": p.memory, "memoryReason": p.memory_reason[:300]} if p.memory else {}),
             }
             for p in obs.pods
         ],

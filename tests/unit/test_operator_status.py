@@ -101,11 +101,13 @@ def test_pod_boot_from_agent_reply() -> None:
                 "checkpoint": "/c/x",
                 "started_at": 1000.0,
                 "ready_at": 1002.25,
+                "restore_memory": {"path": "copy", "why": "the tree maps jemalloc"},
             }
         ),
         None,
     )
     assert restored.origin == "restored" and restored.reason == ""
+    assert (restored.memory, restored.memory_reason) == ("copy", "the tree maps jemalloc")
     assert restored.cold_start_seconds == 5.0
     assert restored.agent_ready_seconds == 2.25
     booted = pod_boot(
@@ -120,6 +122,7 @@ def test_pod_boot_from_agent_reply() -> None:
         None,
     )
     assert booted.reason == "file_missing: pages-1.img"
+    assert booted.memory == ""  # only a restored pod says how its memory came back
     assert booted.agent_ready_seconds is None  # an agent that does not say when
     unknown = pod_boot(p, None, "connection refused")
     assert unknown.origin == "unknown" and "refused" in unknown.reason

@@ -142,6 +142,9 @@ class SecurityDoc(TypedDict):
     signing_key_id: str | None  # a public tag of the key (not the key), to match services
     verify: str  # the content check a restore runs (--verify-checksums)
     serve_api_key: bool  # the serve port requires an API key
+    # The checkpoint this pod restores from, inside the pod: "read-only" (a
+    # read-only bind mount over it), "read-write: <why not>", or "none".
+    checkpoint_mount: str
 
 
 class StatusDoc(TypedDict):

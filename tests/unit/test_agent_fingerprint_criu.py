@@ -47,7 +47,11 @@ def test_criu_argv() -> None:
     assert "--leave-running" not in dump  # failure resumes the tree, success kills it
     for flag in criu.COMMON_FLAGS:
         assert flag in dump
-    rest = criu.restore_argv("/c/criu", "/ck/images", "/l", "/p", mmap=True, plugins="/plug")
+    rest = criu.restore_argv(
+        "/c/criu", "/ck/images", "/run/r/restore.log", "/p", mmap=True, plugins="/plug"
+    )
     assert rest[:3] == ["/c/criu", "restore", "-d"]
+    # stats-restore goes beside the log, never into the (read-only, shared) images
+    assert rest[rest.index("-W") + 1] == "/run/r"
     assert criu.MMAP_RESTORE_FLAG in rest and rest[-2:] == ["-L", "/plug"]
     assert criu.MMAP_RESTORE_FLAG not in criu.restore_argv("/c/criu", "/i", "/l", "/p")

@@ -203,3 +203,29 @@ def test_remove_tree_via_the_cli(tmp_path: Path) -> None:
     (d / "images" / "pages-1.img").write_bytes(b"p")
     assert main(["remove-checkpoint", str(d)]) == 0
     assert not d.exists()
+
+
+def test_checkpoint_bound_read_only_in_a_mount_namespace(tmp_path: Path) -> None:
+    """In a new mount namespace (as in a pod): writes fail with EROFS; the host sees no change."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root for a mount namespace")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "manifest.json").write_text("{}")
+    script = (
+        "import sys, errno; from pathlib import Path; from rekindle_agent import mounts\n"
+        "p = Path(sys.argv[1]); mounts.bind_read_only(p)\n"
+        "assert mounts.is_read_only_mount(p)\n"
+        "try:\n    (p / 'new').write_text('x')\nexcept OSError as e:\n"
+        "    assert e.errno == errno.EROFS, e\n    print('refused')\n"
+    )
+    out = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", sys.executable, "-c", script, str(ckpt)],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "refused", out.stderr
+    from rekindle_agent import mounts
+
+    assert not mounts.is_read_only_mount(ckpt)  # this namespace: untouched, still writable
+    (ckpt / "new").write_text("x")

@@ -401,6 +401,7 @@ def test_unsigned_agent_says_so(tmp_path: Path) -> None:
             "signing_key_id": None,
             "verify": "blake3",
             "serve_api_key": False,
+            "checkpoint_mount": "none",
         }
     finally:
         agent.reaper.stop()

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rekindle_agent import criu, immutable
+from rekindle_agent import criu, immutable, mounts
 from rekindle_contract import api
 from rekindle_contract.api import AgentError
 
@@ -163,6 +163,10 @@ def test_restore_in_new_namespace_twice(shared: Shared, agent_factory: AgentFact
             assert st.origin == "restored", (st.raw, agent.tail(100))
             assert st.last_fallback is None
             assert st.raw["restored_with_mmap"] == (has_mmap and attempt == 0)
+            # The checkpoint is read-only inside the "pod" (its own mount namespace).
+            assert st.security["checkpoint_mount"] == "read-only", st.raw
+            assert mounts.is_read_only_mount(shared.ckpt, Path(f"/proc/{agent.proc.pid}/mountinfo"))
+            assert not mounts.is_read_only_mount(shared.ckpt)  # the host's view is unchanged
             memory = st.raw["restore_memory"]
             assert memory["path"] == ("mmap" if st.raw["restored_with_mmap"] else "copy")
             if attempt == 1:

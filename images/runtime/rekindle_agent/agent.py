@@ -37,6 +37,7 @@ from rekindle_agent import (
     immutable,
     manifest_io,
     mmap_policy,
+    mounts,
     reaper,
     restore,
     shm_files,
@@ -87,6 +88,7 @@ class Agent:
             signing_key_id=signing.key_id(signing_key) if signing_key else None,
             verify=cfg.verify_checksums,
             serve_api_key=api_key is not None,
+            checkpoint_mount="none",
         )
         if signing_key is None:
             log.warning(
@@ -270,6 +272,7 @@ class Agent:
             required = cfg.restore_policy == "require"
             try:
                 if cfg.checkpoint and cfg.restore_policy != "never":
+                    self._mount_read_only(Path(cfg.checkpoint))
                     self.restore_or_fallback(
                         Path(cfg.checkpoint), require_verified=True, boot_on_failure=not required
                     )
@@ -280,6 +283,21 @@ class Agent:
             except Exception as e:
                 if self.status.state != "Failed":
                     self.set_state("Failed", f"start failed: {e}")
+
+    def _mount_read_only(self, ckpt: Path) -> None:
+        """The checkpoint this pod restores from becomes read-only inside the pod (mounts)."""
+        if os.getpid() != 1:
+            why = "read-write: the agent is not its container's first process"
+        elif not ckpt.is_dir():
+            why = f"read-write: {ckpt} is not a directory"
+        else:
+            try:
+                mounts.bind_read_only(ckpt)
+                why = "read-only"
+            except OSError as e:
+                log.warning("cannot make %s read-only in this pod: %s", ckpt, e)
+                why = f"read-write: {e}"
+        self.status.security["checkpoint_mount"] = why
 
     # -- checkpoint and its watchdog -------------------------------------------------
     def guard(self, what: str, ckpt: Path | None) -> None:

@@ -20,6 +20,7 @@ gets SIGCONT.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 from dataclasses import dataclass
@@ -82,13 +83,16 @@ def restore_argv(
     stopped: bool = False,
 ) -> list[str]:
     """Detached (-d): CRIU exits once the tree is in place; the root is re-parented to the
-    agent. stopped: every task is left stopped (SIGSTOP) until the agent sends SIGCONT."""
+    agent. stopped: every task is left stopped (SIGSTOP) until the agent sends SIGCONT.
+    The work dir (stats-restore) is the log's directory: the images are read-only."""
     argv = [
         binary,
         "restore",
         "-d",
         "-D",
         images,
+        "-W",
+        os.path.dirname(log_file) or ".",
         "-o",
         log_file,
         "-v4",

@@ -55,7 +55,11 @@ class Status:
     weights_rpc: str = "unknown"  # available | unavailable
     security: SecurityDoc = field(
         default_factory=lambda: SecurityDoc(
-            checkpoint_signing="unsigned", signing_key_id=None, verify="blake3", serve_api_key=False
+            checkpoint_signing="unsigned",
+            signing_key_id=None,
+            verify="blake3",
+            serve_api_key=False,
+            checkpoint_mount="none",
         )
     )
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)

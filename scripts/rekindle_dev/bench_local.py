@@ -35,6 +35,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from rekindle_agent.immutable import remove_tree
 from rekindle_contract.api import PATH_READYZ
 
 from rekindle_dev.harness import AgentFactory, AgentProc
@@ -325,6 +326,7 @@ def run(args: argparse.Namespace) -> int:
                 r.update(cache=cache, trial=trial)
                 runs.append(r)
                 log(f"trial {trial} {variant:8s} {cache}: first token {r['ttft']:.2f}s")
+    remove_tree(ckpt)  # its pages images are immutable once proven: rm -rf cannot
     summary = summarize(runs)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

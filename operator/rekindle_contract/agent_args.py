@@ -107,6 +107,18 @@ class AgentArgs:
     proxy_max_concurrency: int = _opt(
         "requests the serve port forwards at once; more get 429 with Retry-After", default=256
     )
+    # The admin port over TLS (docs/security.md, "Admin API over TLS"). The
+    # serve port stays plain HTTP: TLS for clients is the Service's or the
+    # ingress's job.
+    admin_tls_cert: str | None = _opt(
+        "PEM certificate chain the admin port serves HTTPS with (a kubernetes.io/tls "
+        "Secret's tls.crt), with --admin-tls-key; the admin port then speaks HTTPS only, "
+        "TLS 1.2 or later. Unset: plain HTTP",
+        default=None,
+    )
+    admin_tls_key: str | None = _opt(
+        "PEM private key of --admin-tls-cert (the Secret's tls.key), unencrypted", default=None
+    )
     vllm_args: list[str] = field(default_factory=list, metadata={"help": "vLLM flags after --"})
 
 

@@ -12,15 +12,21 @@ Ports (all TCP, in the pod):
   ADMIN_PORT (8081)  the agent's control API: /healthz and /readyz without a
                      token (kubelet probes cannot send one), everything else
                      (/v1/status, /v1/checkpoint, /metrics) needs
-                     `Authorization: Bearer <token>`.
+                     `Authorization: Bearer <token>`. HTTPS only when the agent
+                     has --admin-tls-cert/--admin-tls-key (AgentClient's ca and
+                     server_name verify it); plain HTTP otherwise.
   VLLM_PORT (18000)  vLLM itself, bound to 127.0.0.1 only; never exposed.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
+import ssl
 import urllib.error
+import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypedDict
 
@@ -145,6 +151,7 @@ class SecurityDoc(TypedDict):
     # The checkpoint this pod restores from, inside the pod: "read-only" (a
     # read-only bind mount over it), "read-write: <why not>", or "none".
     checkpoint_mount: str
+    admin_tls: bool  # the admin port serves HTTPS only (--admin-tls-cert, --admin-tls-key)
 
 
 class StatusDoc(TypedDict):
@@ -223,13 +230,75 @@ class AgentError(RuntimeError):
         self.body = body
 
 
-class AgentClient:
-    """Stdlib client of the admin API (the operator's side)."""
+def client_tls_context(ca: bytes | str | None) -> ssl.SSLContext:
+    """TLS 1.2 or later, trusting only ca: PEM bytes, or a PEM file's path (None: the system's).
 
-    def __init__(self, base_url: str, token: str, timeout: float = 30.0) -> None:
+    Only the given CA, not the system's as well: the agent's certificate comes
+    from the service's own issuer, and any public CA's certificate for the
+    same name must not pass.
+    """
+    if isinstance(ca, bytes):
+        ctx = ssl.create_default_context(cadata=ca.decode("ascii"))
+    else:
+        ctx = ssl.create_default_context(cafile=ca)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    return ctx
+
+
+class NamedHTTPSConnection(http.client.HTTPSConnection):
+    """HTTPS to one address (a pod IP) with the certificate checked against another name.
+
+    Pod IPs are not known when the certificate is issued, so it names a DNS
+    name (the Service's) instead: the TCP connection goes to the URL's host,
+    while SNI and the hostname check use server_name.
+    """
+
+    def __init__(self, host: str, *, server_name: str, context: ssl.SSLContext, **kw: Any) -> None:
+        super().__init__(host, context=context, **kw)
+        self.server_name = server_name
+        self.tls = context
+
+    def connect(self) -> None:
+        http.client.HTTPConnection.connect(self)  # TCP (and a proxy's tunnel), no TLS yet
+        self.sock = self.tls.wrap_socket(self.sock, server_hostname=self.server_name)
+
+
+class NamedHTTPSHandler(urllib.request.HTTPSHandler):
+    """urllib's HTTPS with NamedHTTPSConnection: errors stay urllib's (HTTPError, URLError)."""
+
+    def __init__(self, context: ssl.SSLContext, server_name: str) -> None:
+        super().__init__(context=context)
+        self.tls = context
+        self.server_name = server_name
+
+    def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        def connection(host: str, **kw: Any) -> http.client.HTTPConnection:
+            return NamedHTTPSConnection(host, server_name=self.server_name, context=self.tls, **kw)
+
+        return self.do_open(connection, req)
+
+
+class AgentClient:
+    """Stdlib client of the admin API (the operator's side).
+
+    For an agent with --admin-tls-cert: an https:// base_url, ca (the issuer's
+    PEM, as bytes or a file's path) and server_name (the DNS name in the
+    agent's certificate, checked even though base_url names the pod's IP).
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str,
+        timeout: float = 30.0,
+        *,
+        ca: bytes | str | None = None,
+        server_name: str | None = None,
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.token = token
         self.timeout = timeout
+        self._open = _opener(self.base_url, ca, server_name)
 
     def _call(
         self, method: str, path: str, body: object | None = None, timeout: float | None = None
@@ -240,7 +309,7 @@ class AgentClient:
         if data is not None:
             req.add_header("Content-Type", "application/json")
         try:
-            with urllib.request.urlopen(req, timeout=timeout or self.timeout) as resp:
+            with self._open(req, timeout=timeout or self.timeout) as resp:
                 raw = resp.read()
         except urllib.error.HTTPError as e:
             raise AgentError(e.code, e.read().decode(errors="replace")) from e
@@ -258,7 +327,22 @@ class AgentClient:
     def ready(self) -> bool:
         req = urllib.request.Request(self.base_url + PATH_READYZ)
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+            with self._open(req, timeout=self.timeout) as resp:
                 return bool(resp.status == 200)
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             return False
+
+
+def _opener(base_url: str, ca: bytes | str | None, server_name: str | None) -> Callable[..., Any]:
+    """urlopen, or for TLS settings an opener that verifies with them.
+
+    A CA or a server name with a plain http:// URL is refused rather than
+    ignored: the caller meant TLS, and the token must not go out in clear.
+    """
+    if ca is None and server_name is None:
+        return urllib.request.urlopen
+    url = urllib.parse.urlsplit(base_url)
+    if url.scheme != "https":
+        raise ValueError(f"{base_url}: a CA or server name needs an https:// URL")
+    handler = NamedHTTPSHandler(client_tls_context(ca), server_name or url.hostname or "")
+    return urllib.request.build_opener(handler).open

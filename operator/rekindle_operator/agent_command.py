@@ -13,6 +13,7 @@ from __future__ import annotations
 from rekindle_contract.agent_args import AgentArgs, agent_argv
 from rekindle_contract.pod import CHECKPOINT_ENV, CHECKPOINT_MOUNT
 
+from rekindle_operator import admin_tls
 from rekindle_operator.quantity import gib_float
 from rekindle_operator.spec import IsvcSpec
 
@@ -36,6 +37,10 @@ def agent_args(spec: IsvcSpec) -> AgentArgs:
         checkpoint=f"$({CHECKPOINT_ENV})",
         restore_policy=_RESTORE_POLICY[spec.restore_policy],
         prefetch=spec.prefetch,
+        # Flags rather than env (unlike the token and key files): an agent too old
+        # to know them stops with a usage error instead of serving plain HTTP.
+        admin_tls_cert=admin_tls.CERT_FILE if spec.admin_tls else None,
+        admin_tls_key=admin_tls.KEY_FILE if spec.admin_tls else None,
         vllm_args=list(spec.vllm_args),
     )
 

@@ -28,6 +28,7 @@ from rekindle_contract.pod import (
     TOKEN_KEY,
 )
 
+from rekindle_operator import admin_tls
 from rekindle_operator.agent_command import agent_command
 from rekindle_operator.constants import (
     ANN_FINGERPRINT,
@@ -268,6 +269,15 @@ def _resources(spec: IsvcSpec, shm_bytes: int) -> Obj:
     return {"requests": requests, "limits": limits}
 
 
+def _probe(path: str, spec: IsvcSpec, **timing: int) -> Obj:
+    """An HTTP GET on the admin port; HTTPS with admin TLS (the kubelet does not verify
+    a probe's certificate, so the pod's own certificate serves)."""
+    get: Obj = {"path": path, "port": "admin"}
+    if spec.admin_tls:
+        get["scheme"] = "HTTPS"
+    return {"httpGet": get, **timing}
+
+
 def build_pod_template(spec: IsvcSpec, shm_bytes: int, fingerprint: str) -> Obj:
     user = dict(spec.env)
     env: list[Obj] = [{"name": k, "value": v} for k, v in LOOPBACK_ENV.items() if k not in user]
@@ -306,17 +316,10 @@ def build_pod_template(spec: IsvcSpec, shm_bytes: int, fingerprint: str) -> Obj:
         ],
         # A restore is Ready about a second after the container starts: the
         # kubelet's shortest period (1 s) keeps the probe's lag under a second.
-        "readinessProbe": {
-            "httpGet": {"path": PATH_READYZ, "port": "admin"},
-            "periodSeconds": 1,
-            "failureThreshold": 1,
-        },
-        "livenessProbe": {
-            "httpGet": {"path": PATH_HEALTHZ, "port": "admin"},
-            "initialDelaySeconds": 10,
-            "periodSeconds": 10,
-            "failureThreshold": 6,
-        },
+        "readinessProbe": _probe(PATH_READYZ, spec, periodSeconds=1, failureThreshold=1),
+        "livenessProbe": _probe(
+            PATH_HEALTHZ, spec, initialDelaySeconds=10, periodSeconds=10, failureThreshold=6
+        ),
         "resources": _resources(spec, shm_bytes),
         # CRIU dumps and restores a process tree: it needs ptrace, namespaces,
         # TCP repair and /proc/sys writes that only a privileged container has,
@@ -345,6 +348,14 @@ def build_pod_template(spec: IsvcSpec, shm_bytes: int, fingerprint: str) -> Obj:
         container["volumeMounts"].append(
             {"name": "api-key", "mountPath": API_KEY_DIR, "readOnly": True}
         )
+    annotations = {ANN_FINGERPRINT: fingerprint, ANN_RESTART: spec.restart_token}
+    if spec.admin_tls:
+        container["volumeMounts"].append(
+            {"name": admin_tls.VOLUME, "mountPath": admin_tls.DIR, "readOnly": True}
+        )
+        # Each pod says which name its agent's certificate carries: the operator
+        # reads it from the pod, so it reaches old and new pods alike mid-rollout.
+        annotations[admin_tls.ANN_SERVER_NAME] = spec.admin_tls.server_name
     return {
         "metadata": {
             "labels": {
@@ -353,7 +364,7 @@ def build_pod_template(spec: IsvcSpec, shm_bytes: int, fingerprint: str) -> Obj:
                 COMPONENT_LABEL: "inference",
                 MANAGED_BY_LABEL: MANAGED_BY,
             },
-            "annotations": {ANN_FINGERPRINT: fingerprint, ANN_RESTART: spec.restart_token},
+            "annotations": annotations,
         },
         "spec": {
             "containers": [container],
@@ -385,6 +396,7 @@ def build_pod_template(spec: IsvcSpec, shm_bytes: int, fingerprint: str) -> Obj:
                 },
                 checkpoint_volume(spec),
                 *_api_key_volumes(spec),
+                *_admin_tls_volumes(spec),
             ],
         },
     }
@@ -400,6 +412,26 @@ def _api_key_volumes(spec: IsvcSpec) -> list[Obj]:
             "secret": {
                 "secretName": name,
                 "items": [{"key": key, "path": API_KEY_KEY}],
+                "defaultMode": 0o400,
+            },
+        }
+    ]
+
+
+def _admin_tls_volumes(spec: IsvcSpec) -> list[Obj]:
+    """The certificate and its key only (not ca.crt, which only the operator needs),
+    read-only and readable by root only, like the token."""
+    if not spec.admin_tls:
+        return []
+    return [
+        {
+            "name": admin_tls.VOLUME,
+            "secret": {
+                "secretName": spec.admin_tls.secret_name,
+                "items": [
+                    {"key": admin_tls.CERT_KEY, "path": admin_tls.CERT_KEY},
+                    {"key": admin_tls.KEY_KEY, "path": admin_tls.KEY_KEY},
+                ],
                 "defaultMode": 0o400,
             },
         }

@@ -6,6 +6,10 @@ the agent has drained, dumped and verified by restoring, which takes minutes,
 so it runs in a background thread of its own: the caller starts it and looks
 at it again in short steps, and no kopf worker ever waits on it.
 
+A pod started with spec.adminTLS (its annotation and volume say so) is
+reached over HTTPS, its certificate verified against ca.crt of the Secret it
+mounts and the name in its annotation, though the connection goes to its IP.
+
 `kubectl rekindle bench` sends its completions through the apiserver's
 service proxy rather than to pod IPs, so it works wherever kubectl does.
 """
@@ -24,6 +28,7 @@ from rekindle_contract.api import ADMIN_PORT, SERVE_PORT, AgentClient, StatusRep
 from rekindle_contract.manifest import Manifest
 from rekindle_contract.pod import TOKEN_KEY
 
+from rekindle_operator import admin_tls
 from rekindle_operator.builders import secret_name
 from rekindle_operator.kube import Kube, KubeError, service_proxy_path
 
@@ -45,15 +50,34 @@ class Agent(Protocol):
     def checkpoint(self, directory: str, timeout: float = ...) -> Manifest: ...
 
 
-AgentFactory = Callable[[str, str], Agent]  # (admin base URL, bearer token) -> Agent
+@dataclass(frozen=True)
+class AgentTLS:
+    """What verifies one agent's certificate: the issuer's PEM and the name it must carry."""
+
+    ca: bytes
+    server_name: str
 
 
-def _client(url: str, token: str) -> Agent:
-    return AgentClient(url, token, timeout=STATUS_TIMEOUT_S)
+class AgentFactory(Protocol):
+    """(admin base URL, bearer token, TLS or None for plain HTTP) -> Agent."""
+
+    def __call__(self, url: str, token: str, tls: AgentTLS | None = None) -> Agent: ...
 
 
-def agent_url(pod: Body) -> str:
-    return f"http://{pod['status']['podIP']}:{ADMIN_PORT}"
+class Secrets(Protocol):
+    """Where the CA comes from: Kube, or a fake in tests."""
+
+    def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None: ...
+
+
+def _client(url: str, token: str, tls: AgentTLS | None = None) -> Agent:
+    if tls is None:
+        return AgentClient(url, token, timeout=STATUS_TIMEOUT_S)
+    return AgentClient(url, token, timeout=STATUS_TIMEOUT_S, ca=tls.ca, server_name=tls.server_name)
+
+
+def agent_url(pod: Body, https: bool = False) -> str:
+    return f"{'https' if https else 'http'}://{pod['status']['podIP']}:{ADMIN_PORT}"
 
 
 def read_token(kube: Kube, namespace: str, isvc: str) -> str:
@@ -81,14 +105,30 @@ class CheckpointCall:
 class Agents:
     """The pods' agents, and the checkpoint calls this operator process has running."""
 
-    def __init__(self, client_for: AgentFactory | None = None) -> None:
+    def __init__(
+        self, client_for: AgentFactory | None = None, secrets: Secrets | None = None
+    ) -> None:
         self._client_for = client_for or _client
+        self._secrets = secrets  # None: a Kube of its own, made when a pod needs a CA
         self._calls: dict[str, CheckpointCall] = {}
         self._lock = threading.Lock()
 
+    def client(self, pod: Body, token: str) -> Agent:
+        """A client of pod's agent: HTTPS verified with its Secret's ca.crt when the pod was
+        started with admin TLS; raises ValueError when that Secret is missing or lacks it."""
+        tls = admin_tls.pod_tls(pod)
+        if tls is None:
+            return self._client_for(agent_url(pod), token)
+        if self._secrets is None:
+            self._secrets = Kube()
+        namespace = pod["metadata"]["namespace"]
+        secret = self._secrets.get("Secret", namespace, tls.secret_name)
+        ca = admin_tls.ca_bundle(secret, namespace, tls.secret_name)
+        return self._client_for(agent_url(pod, https=True), token, AgentTLS(ca, tls.server_name))
+
     def status(self, pod: Body, token: str) -> StatusReply:
         """GET /v1/status of pod's agent; raises if it does not answer."""
-        return self._client_for(agent_url(pod), token).status()
+        return self.client(pod, token).status()
 
     def ask_status(self, pod: Body, token: str) -> tuple[StatusReply | None, str | None]:
         """(reply, None), or (None, why not): for status reports, which never raise."""
@@ -106,14 +146,17 @@ class Agents:
         timeout: float,
         then: Callable[[], None],
     ) -> CheckpointCall:
-        """POST /v1/checkpoint in a background thread; then() runs when it has answered."""
+        """POST /v1/checkpoint in a background thread; then() runs when it has answered.
+
+        The client is made in that thread too, so a Secret gone since the status
+        call fails the call (call.error) rather than the caller.
+        """
         call = CheckpointCall(pod["metadata"]["name"], path)
-        agent = self._client_for(agent_url(pod), token)
         with self._lock:
             self._calls[key] = call
         threading.Thread(
             target=_run_checkpoint,
-            args=(agent, call, timeout, then),
+            args=(lambda: self.client(pod, token), call, timeout, then),
             name=f"checkpoint-{call.pod}",
             daemon=True,
         ).start()
@@ -130,10 +173,10 @@ class Agents:
 
 
 def _run_checkpoint(
-    agent: Agent, call: CheckpointCall, timeout: float, then: Callable[[], None]
+    agent: Callable[[], Agent], call: CheckpointCall, timeout: float, then: Callable[[], None]
 ) -> None:
     try:
-        call.manifest = agent.checkpoint(call.path, timeout=timeout)
+        call.manifest = agent().checkpoint(call.path, timeout=timeout)
     except Exception as e:  # the agent's own message: the Checkpoint's status shows it
         call.error = str(e) or repr(e)
     finally:

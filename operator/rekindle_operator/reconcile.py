@@ -12,6 +12,7 @@ from typing import Any
 
 from rekindle_contract.api import SERVE_PORT
 
+from rekindle_operator import admin_tls
 from rekindle_operator import builders as b
 from rekindle_operator.constants import (
     ANN_AGENT_READY,
@@ -72,9 +73,32 @@ def check_image(spec: IsvcSpec, settings: Settings) -> None:
         )
 
 
+def admin_tls_problem(kube: Kube, spec: IsvcSpec) -> str | None:
+    """Why spec.adminTLS's Secret cannot be used yet (missing, or lacking a key), or None.
+
+    The Deployment is then left as it is: its new pods could not mount the
+    Secret (stuck in ContainerCreating, a rollout that never ends) and the
+    operator could not verify them. cert-manager may still be issuing: the
+    next reconcile looks again.
+    """
+    if spec.admin_tls is None:
+        return None
+    name = spec.admin_tls.secret_name
+    problem = admin_tls.secret_problem(
+        kube.get("Secret", spec.namespace, name), spec.namespace, name
+    )
+    return None if problem is None else f"{problem}; the Deployment is not updated until then"
+
+
 def ensure_objects(
-    kube: Kube, body: Body, spec: IsvcSpec, shm_bytes: int, settings: Settings | None = None
+    kube: Kube,
+    body: Body,
+    spec: IsvcSpec,
+    shm_bytes: int,
+    settings: Settings | None = None,
+    deployment: bool = True,
 ) -> None:
+    """Everything the InferenceService owns; the Deployment only when deployment is True."""
     settings = settings or Settings()
     kube.create_if_absent(b.build_secret(spec, owner=body))
     kube.create_if_absent(b.build_signing_secret(spec, owner=body))
@@ -88,7 +112,8 @@ def ensure_objects(
     if pvc is not None:
         kube.create_if_absent(pvc)
     kube.apply(b.build_service(spec, owner=body))
-    kube.apply(b.build_deployment(spec, shm_bytes, spec_fingerprint(spec), owner=body))
+    if deployment:
+        kube.apply(b.build_deployment(spec, shm_bytes, spec_fingerprint(spec), owner=body))
 
 
 def observe_pods(kube: Kube, spec: IsvcSpec, agents: Agents) -> tuple[PodBoot, ...]:
@@ -163,10 +188,11 @@ def reconcile(
     checkpoints = kube.list("Checkpoint", spec.namespace)
     mark_stale(kube, spec, checkpoints, emit)
     in_use = None
+    tls_error = admin_tls_problem(kube, spec)
     if shm_error is None:
         # The pointer first: a pod the Deployment change starts must see it.
         in_use = update_pointer(kube, body, spec, checkpoints)
-        ensure_objects(kube, body, spec, shm_bytes, settings)
+        ensure_objects(kube, body, spec, shm_bytes, settings, deployment=tls_error is None)
     deployment = kube.get("Deployment", spec.namespace, b.deployment_name(spec.name))
     pods = observe_pods(kube, spec, agents) if deployment else ()
     obs = Observed(
@@ -183,6 +209,12 @@ def reconcile(
     new = compute_status(old, obs)
     new["observedGeneration"] = meta.get("generation", 0)
     new["fingerprint"] = spec_fingerprint(spec)
+    if tls_error:
+        new["message"] = tls_error
+        if old.get("message") != tls_error:
+            emit("Warning", "AdminTLSSecretInvalid", tls_error)
+    elif str(old.get("message") or "").startswith("spec.adminTLS"):
+        new["message"] = ""  # the Secret is there now, or adminTLS is gone
     for kind, reason, message in transitions(old, new):
         emit(kind, reason, message)
     return new

@@ -47,6 +47,26 @@ class Storage:
 
 
 @dataclass(frozen=True)
+class AdminTLS:
+    """spec.adminTLS: the agents' admin port over HTTPS.
+
+    secret_name: a Secret in the InferenceService's namespace with tls.crt,
+    tls.key and ca.crt (what cert-manager writes); the pods mount the first
+    two, the operator verifies with the third. server_name: the DNS name the
+    certificate must carry (the operator connects to pod IPs, which no
+    certificate names).
+    """
+
+    secret_name: str
+    server_name: str
+
+
+def default_server_name(name: str, namespace: str) -> str:
+    """The Service's cluster DNS name: what a cert-manager Certificate for it would name."""
+    return f"{name}.{namespace}.svc"
+
+
+@dataclass(frozen=True)
 class IsvcSpec:
     name: str
     namespace: str
@@ -76,6 +96,11 @@ class IsvcSpec:
     # The user's Secret (name, key) holding the API key clients must send on the
     # serve port; None: no key. The operator mounts it, never reads it.
     api_key_secret: tuple[str, str] | None = None
+    # TLS on the agents' admin port; None: plain HTTP. Like the API key, left out
+    # of the spec fingerprint (spec_fingerprint.py): the certificate is read by
+    # the agent, in front of vLLM, and never reaches vLLM's process, so a
+    # checkpoint made with or without it restores the same tree either way.
+    admin_tls: AdminTLS | None = None
 
 
 def _get(d: Mapping[str, Any], key: str) -> Mapping[str, Any]:
@@ -103,6 +128,7 @@ def parse_spec(
     pvc = _get(st, "pvc")
     hp = _get(st, "hostPath")
     api_key = _get(spec, "apiKeySecretRef")
+    admin_tls = _get(spec, "adminTLS")
 
     tp = int(spec.get("tensorParallelSize", 1))
     replicas = int(spec.get("replicas", 1))
@@ -148,9 +174,24 @@ def parse_spec(
             if api_key.get("name")
             else None
         ),
+        admin_tls=(
+            _admin_tls(name, namespace, admin_tls) if spec.get("adminTLS") is not None else None
+        ),
     )
     validate(out)
     return out
+
+
+def _admin_tls(name: str, namespace: str, tls: Mapping[str, Any]) -> AdminTLS:
+    if not tls.get("secretName"):
+        raise SpecError(
+            "spec.adminTLS.secretName is required: a kubernetes.io/tls Secret in this "
+            "namespace with tls.crt, tls.key and ca.crt (e.g. a cert-manager Certificate's)"
+        )
+    return AdminTLS(
+        secret_name=str(tls["secretName"]),
+        server_name=str(tls.get("serverName") or default_server_name(name, namespace)),
+    )
 
 
 def validate(s: IsvcSpec) -> None:

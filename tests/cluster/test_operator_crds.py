@@ -78,6 +78,8 @@ def test_negative_replicas_refused(namespace: str) -> None:
             "must be an absolute path",
         ),
         ({"runtime": {"device": "tpu"}}, "supported values"),
+        ({"adminTLS": {"serverName": "tiny.ns.svc"}}, "spec.adminTLS.secretName: Required"),
+        ({"adminTLS": {"secretName": "Not_A_Name"}}, "spec.adminTLS.secretName"),
     ],
 )
 def test_other_refusals(namespace: str, spec: dict[str, Any], words: str) -> None:
@@ -147,6 +149,12 @@ def test_builders_pass_server_side_validation(namespace: str) -> None:
         "tiny", namespace, {**owner["spec"], "coldStart": {"storage": {"type": "pvc"}}}
     )
     objs.append(b.build_pvc(pvc_spec, owner))  # type: ignore[arg-type]
+    # With spec.adminTLS: the Secret volume, the flags, HTTPS probes.
+    tls_spec = parse_spec(
+        "tiny", namespace, {**owner["spec"], "adminTLS": {"secretName": "tiny-admin-tls"}}
+    )
+    tls_shm = effective_shm_bytes(tls_spec, shm_need(tls_spec))
+    objs.append(b.build_deployment(tls_spec, tls_shm, spec_fingerprint(tls_spec), owner))
     for obj in objs:
         r = apply(obj, namespace, "--dry-run=server")
         assert r.returncode == 0, f"{obj['kind']}: {r.stderr}"

@@ -47,8 +47,11 @@ def test_defaults_and_passthrough() -> None:
     assert dataclasses.asdict(_parse(["--model", "/m"])) == dataclasses.asdict(AgentArgs("/m"))
 
 
-def test_every_setting_round_trips_through_agent_argv() -> None:
+def test_every_setting_round_trips_through_agent_argv(monkeypatch: pytest.MonkeyPatch) -> None:
     """What the operator and the harness write (agent_argv) is what the agent reads back."""
+    # The certificate files are loaded at validation (test_agent_admin_tls.py); here
+    # only the argv matters.
+    monkeypatch.setattr(config, "admin_tls_context", lambda cert, key: None)
     args = AgentArgs(
         model="/models/m",
         served_name="llama",
@@ -90,6 +93,8 @@ def test_every_setting_round_trips_through_agent_argv() -> None:
         proxy_timeout=7.5,
         proxy_max_body_mb=8,
         proxy_max_concurrency=3,
+        admin_tls_cert="/secrets/tls/tls.crt",
+        admin_tls_key="/secrets/tls/tls.key",
         vllm_args=["--dtype", "float32", "--seed", "7"],
     )
     defaults = AgentArgs()

@@ -402,6 +402,7 @@ def test_unsigned_agent_says_so(tmp_path: Path) -> None:
             "verify": "blake3",
             "serve_api_key": False,
             "checkpoint_mount": "none",
+            "admin_tls": False,
         }
     finally:
         agent.reaper.stop()

@@ -23,12 +23,14 @@ from rekindle_contract.pod import (
     TOKEN_KEY,
 )
 from rekindle_contract.vllm_argv import VllmOptions, vllm_argv
+from rekindle_operator import admin_tls
 from rekindle_operator import builders as b
 from rekindle_operator.agent_command import agent_args
 from rekindle_operator.constants import NAME_LABEL, SERVING_LABEL
 from rekindle_operator.quantity import to_bytes
 from rekindle_operator.shm_sizing import effective_shm_bytes, shm_need, shm_shortfall
-from rekindle_operator.spec import IsvcSpec, SpecError, parse_spec
+from rekindle_operator.spec import AdminTLS, IsvcSpec, SpecError, parse_spec
+from rekindle_operator.spec_fingerprint import spec_fingerprint
 
 OWNER = {"kind": "InferenceService", "metadata": {"name": "tiny", "uid": "u-1"}}
 
@@ -364,6 +366,56 @@ def test_api_key_from_the_users_secret() -> None:
     env = {e["name"]: e.get("value") for e in container(dep)["env"]}
     assert env[API_KEY_ENV] == API_KEY_FILE
     assert tiny(apiKeySecretRef={"name": "k"}).api_key_secret == ("k", "api-key")
+
+
+def test_admin_tls_mounts_the_secret_passes_the_flags_and_probes_https() -> None:
+    s = tiny(adminTLS={"secretName": "tiny-admin-tls"})
+    assert s.admin_tls == AdminTLS("tiny-admin-tls", "tiny.ns.svc")  # the default name
+    dep = deployment(s)
+    pod = dep["spec"]["template"]
+    vols = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert vols["admin-tls"]["secret"] == {
+        "secretName": "tiny-admin-tls",
+        # The certificate and key only: ca.crt is the operator's, not the pod's.
+        "items": [{"key": "tls.crt", "path": "tls.crt"}, {"key": "tls.key", "path": "tls.key"}],
+        "defaultMode": 0o400,
+    }
+    mounts = {m["name"]: m for m in container(dep)["volumeMounts"]}
+    assert mounts["admin-tls"] == {
+        "name": "admin-tls",
+        "mountPath": admin_tls.DIR,
+        "readOnly": True,
+    }
+    cmd = container(dep)["command"]
+    assert cmd[cmd.index("--admin-tls-cert") + 1] == f"{admin_tls.DIR}/tls.crt"
+    assert cmd[cmd.index("--admin-tls-key") + 1] == f"{admin_tls.DIR}/tls.key"
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container(dep)[probe]["httpGet"]["scheme"] == "HTTPS"
+        assert container(dep)[probe]["httpGet"]["port"] == "admin"
+    assert pod["metadata"]["annotations"][admin_tls.ANN_SERVER_NAME] == "tiny.ns.svc"
+    assert admin_tls.pod_tls(pod) == admin_tls.PodTLS("tiny-admin-tls", "tiny.ns.svc")
+    # The certificate never reaches vLLM: a checkpoint made without TLS still fits.
+    assert spec_fingerprint(s) == spec_fingerprint(tiny())
+
+
+def test_admin_tls_server_name_and_required_secret() -> None:
+    s = tiny(adminTLS={"secretName": "t", "serverName": "agents.example.internal"})
+    assert s.admin_tls == AdminTLS("t", "agents.example.internal")
+    pod = deployment(s)["spec"]["template"]
+    assert pod["metadata"]["annotations"][admin_tls.ANN_SERVER_NAME] == "agents.example.internal"
+    with pytest.raises(SpecError, match=r"spec.adminTLS.secretName is required"):
+        tiny(adminTLS={"serverName": "x.y"})
+
+
+def test_without_admin_tls_the_admin_port_is_plain_http() -> None:
+    dep = deployment(tiny())
+    pod = dep["spec"]["template"]
+    assert "scheme" not in container(dep)["readinessProbe"]["httpGet"]
+    assert "scheme" not in container(dep)["livenessProbe"]["httpGet"]
+    assert "--admin-tls-cert" not in container(dep)["command"]
+    assert "admin-tls" not in {v["name"] for v in pod["spec"]["volumes"]}
+    assert admin_tls.ANN_SERVER_NAME not in pod["metadata"]["annotations"]
+    assert admin_tls.pod_tls(pod) is None
 
 
 @pytest.mark.parametrize("name", ["REKINDLE_IMAGE", "REKINDLE_CHECKPOINT", "REKINDLE_API_KEY_FILE"])

@@ -98,3 +98,15 @@ def test_vllm_args_rule_refuses_exactly_the_managed_flags() -> None:
     for flag in MANAGED_VLLM_FLAGS:
         assert pattern.match(flag) and pattern.match(f"{flag}=1")
     assert not pattern.match("--max-num-seqs") and not pattern.match("--portable")
+
+
+def test_admin_tls_needs_a_secret_name() -> None:
+    props = version(crd(ISVC_PLURAL))["schema"]["openAPIV3Schema"]["properties"]["spec"][
+        "properties"
+    ]
+    tls = props["adminTLS"]
+    assert tls["required"] == ["secretName"]
+    assert set(tls["properties"]) == {"secretName", "serverName"}
+    dns = re.compile(tls["properties"]["serverName"]["pattern"])
+    assert dns.match("tiny.ns.svc") and not dns.match("Tiny.ns.svc") and not dns.match("*.ns.svc")
+    assert re.compile(tls["properties"]["secretName"]["pattern"]).match("tiny-admin-tls")

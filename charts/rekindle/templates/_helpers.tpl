@@ -77,7 +77,8 @@ release's own namespace; empty (all namespaces) only with rbac.clusterWide.
 - apiGroups: [""]
   resources: ["services", "configmaps"]
   verbs: ["get", "create", "patch"]
-# The agent token: created once, read to call the agent; never listed.
+# The agent token and signing key: created once, read to call the agent; the
+# spec.adminTLS Secret: read by name for its ca.crt. Never listed.
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["get", "create"]

@@ -89,6 +89,7 @@ class Agent:
             verify=cfg.verify_checksums,
             serve_api_key=api_key is not None,
             checkpoint_mount="none",
+            admin_tls=bool(cfg.admin_tls_cert and cfg.admin_tls_key),
         )
         if signing_key is None:
             log.warning(

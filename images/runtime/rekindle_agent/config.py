@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import ssl
 import types
 import typing
 from dataclasses import MISSING, Field, dataclass, fields
@@ -88,6 +89,18 @@ class AgentConfig(AgentArgs):
             raise ConfigError("--checkpoint-root must be an absolute path")
         if not os.path.isabs(self.run_dir):
             raise ConfigError("--run-dir must be an absolute path")
+        self._validate_admin_tls()
+
+    def _validate_admin_tls(self) -> None:
+        """Both TLS flags or neither, and files that load: a bad certificate stops the
+        agent at start, naming the flag, rather than failing every connection later."""
+        if bool(self.admin_tls_cert) != bool(self.admin_tls_key):
+            raise ConfigError(
+                "--admin-tls-cert and --admin-tls-key go together: give both "
+                "(the certificate chain and its key) or neither (plain HTTP)"
+            )
+        if self.admin_tls_cert and self.admin_tls_key:
+            admin_tls_context(self.admin_tls_cert, self.admin_tls_key)
 
     def _validate_ports(self) -> None:
         ports = {"serve_port": self.serve_port, "admin_port": self.admin_port}
@@ -101,6 +114,38 @@ class AgentConfig(AgentArgs):
         fixed = [p for p in ports.values() if p != 0]
         if len(set(fixed)) != len(fixed):
             raise ConfigError("--serve-port, --admin-port and --vllm-port must all differ")
+
+
+def _no_password() -> bytes:
+    """An encrypted key fails to load instead of OpenSSL prompting on a terminal PID 1 lacks."""
+    return b""
+
+
+def admin_tls_context(cert_file: str, key_file: str) -> ssl.SSLContext:
+    """The admin port's server side: TLS 1.2 or later with this certificate chain and key.
+
+    Raises ConfigError naming the flag whose file is missing or unreadable, or
+    both flags when the files do not hold a PEM chain and its (unencrypted) key.
+    """
+    for name, path in (("admin_tls_cert", cert_file), ("admin_tls_key", key_file)):
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as e:
+            raise ConfigError(
+                f"{flag(name)} {path}: {e.strerror or e}; mount the admin TLS Secret "
+                "there or drop --admin-tls-cert and --admin-tls-key"
+            ) from e
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        ctx.load_cert_chain(cert_file, key_file, password=_no_password)
+    except ssl.SSLError as e:
+        raise ConfigError(
+            f"--admin-tls-cert {cert_file} and --admin-tls-key {key_file} are not a PEM "
+            f"certificate chain and its unencrypted private key: {e}"
+        ) from e
+    return ctx
 
 
 _HINTS = typing.get_type_hints(AgentArgs)

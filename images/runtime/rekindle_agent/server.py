@@ -7,6 +7,10 @@ The proxy (serve port) forwards only the allowlisted inference routes
 (serve_routes.py), only with the API key when one is configured, at most
 --proxy-max-concurrency at once and bodies up to --proxy-max-body-mb, and
 gives up on a vLLM that sends nothing for --proxy-timeout seconds.
+
+With --admin-tls-cert and --admin-tls-key the admin port speaks HTTPS only
+(TLS 1.2 or later) and picks up a renewed certificate from the same files; the
+serve port stays plain HTTP (TLS for clients is the Service's or the ingress's).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import json
 import logging
 import os
 import signal
+import ssl
 import threading
 from typing import Any
 
@@ -26,10 +31,14 @@ from rekindle_contract import api
 from rekindle_agent import checkpoint, serve_routes
 from rekindle_agent.agent import Agent
 from rekindle_agent.auth import token_ok
+from rekindle_agent.config import ConfigError, admin_tls_context
 
 log = logging.getLogger("rekindle.server")
 RETRY_AFTER_S = "2"
 CONNECT_TIMEOUT_S = 10.0
+# How often the admin port looks for a renewed certificate (cert-manager renews
+# the Secret, the kubelet swaps the mounted files within a minute or so).
+CERT_CHECK_S = 60.0
 HOP_HEADERS = {
     "connection",
     "keep-alive",
@@ -354,24 +363,70 @@ def write_ports_file(path: str, ports: dict[str, int]) -> None:
     os.replace(tmp, path)
 
 
-async def listen(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Serve app on host:port; returns the runner and the port bound (port 0: the kernel's)."""
+async def listen(
+    app: web.Application, host: str, port: int, tls: ssl.SSLContext | None = None
+) -> tuple[web.AppRunner, int]:
+    """Serve app on host:port (HTTPS only with tls); returns the runner and the port bound
+    (port 0: the kernel's)."""
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, host, port).start()
+    await web.TCPSite(runner, host, port, ssl_context=tls).start()
     return runner, int(runner.addresses[0][1])
+
+
+Stamp = tuple[tuple[int, int, int], ...]
+
+
+def file_stamp(*paths: str) -> Stamp:
+    """(inode, mtime, size) of each file, links followed: the kubelet replaces a mounted
+    Secret's files by swapping a symlink, so a renewal shows as a new inode."""
+    return tuple((st.st_ino, st.st_mtime_ns, st.st_size) for st in map(os.stat, paths))
+
+
+def reload_admin_cert(tls: ssl.SSLContext, cert: str, key: str, seen: Stamp) -> Stamp:
+    """Load renewed files into the live context (new connections get them); returns the
+    stamp now served. A pair that does not load is logged and the old one kept."""
+    try:
+        now = file_stamp(cert, key)
+        if now == seen:
+            return seen
+        admin_tls_context(cert, key)  # the new pair loads on its own: never half-load `tls`
+        tls.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError, ConfigError) as e:
+        log.warning("admin TLS: keeping the certificate loaded before: %s", e)
+        return seen
+    log.info("admin TLS: loaded the renewed certificate from %s", cert)
+    return now
+
+
+async def keep_admin_cert_fresh(tls: ssl.SSLContext, cert: str, key: str) -> None:
+    """Every CERT_CHECK_S, load the certificate again if its files changed."""
+    seen: Stamp = ()
+    with contextlib.suppress(OSError):
+        seen = file_stamp(cert, key)
+    while True:
+        await asyncio.sleep(CERT_CHECK_S)
+        seen = reload_admin_cert(tls, cert, key, seen)
 
 
 async def serve(agent: Agent, starter: threading.Thread, early_stop: threading.Event) -> None:
     """Serve HTTP while the flow started in starter (boot or restore) runs on."""
     cfg = agent.cfg
     proxy = Proxy(agent)
-    admin, admin_port = await listen(admin_app(agent, proxy), cfg.bind_host, cfg.admin_port)
+    tls = None
+    renewals: asyncio.Task[None] | None = None
+    if cfg.admin_tls_cert and cfg.admin_tls_key:
+        tls = admin_tls_context(cfg.admin_tls_cert, cfg.admin_tls_key)
+        renewals = asyncio.create_task(
+            keep_admin_cert_fresh(tls, cfg.admin_tls_cert, cfg.admin_tls_key)
+        )
+    admin, admin_port = await listen(admin_app(agent, proxy), cfg.bind_host, cfg.admin_port, tls)
     serving, serve_port = await listen(proxy_app(agent, proxy), cfg.bind_host, cfg.serve_port)
     if cfg.ports_file:
         write_ports_file(cfg.ports_file, {"serve": serve_port, "admin": admin_port})
     log.info(
-        "agent: admin on %s:%d, OpenAI proxy on %s:%d, vLLM on %s",
+        "agent: admin (%s) on %s:%d, OpenAI proxy on %s:%d, vLLM on %s",
+        "HTTPS" if tls else "HTTP",
         cfg.bind_host,
         admin_port,
         cfg.bind_host,
@@ -388,6 +443,8 @@ async def serve(agent: Agent, starter: threading.Thread, early_stop: threading.E
     await stop.wait()
     log.info("agent: stopping")
     agent.stopping = True
+    if renewals is not None:
+        renewals.cancel()
     with contextlib.suppress(Exception):
         await proxy.close_connections()
     for runner in (admin, serving):

@@ -60,6 +60,7 @@ class Status:
             verify="blake3",
             serve_api_key=False,
             checkpoint_mount="none",
+            admin_tls=False,
         )
     )
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)

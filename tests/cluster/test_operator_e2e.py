@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from rekindle_agent import immutable
 from rekindle_agent.immutable import remove_tree
 from rekindle_operator.quantity import to_bytes
 from rekindle_operator.shm_sizing import shm_need
@@ -206,10 +207,19 @@ def test_checkpoint_ready_then_new_replica_restores_with_same_output(
     assert "restored" in obj["status"]["lastColdStartSeconds"]
     # The pod's own figure, from the agent's timestamps, recorded by the operator.
     assert obj["status"]["pods"][0]["agentReadySeconds"] > 0, obj["status"]["pods"]
+    # vLLM's tree passed every check for the zero-copy restore; its images are immutable.
+    assert obj["status"]["pods"][0]["memory"] == "mmap", obj["status"]["pods"]
+    pages = sorted(
+        data_dir(served["isvc"]["spec"]["coldStart"]["storage"]["hostPath"]["path"], ck).glob(
+            "images/pages-*.img"
+        )
+    )
+    assert pages and all(immutable.is_immutable(p) for p in pages)
     assert completions(served["url"]) == before
 
     status = run_plugin(kubectl_rekindle, "-n", op_namespace, "status", NAME)
     assert status.returncode == 0 and ": restored" in status.stdout, status.stdout
+    assert "memory mmap" in status.stdout, status.stdout
 
 
 def test_corrupted_checkpoint_boots_normally_and_says_why(

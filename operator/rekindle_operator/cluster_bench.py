@@ -203,6 +203,14 @@ def run(
             f"{name} has no Ready checkpoint to restore from: run `kubectl rekindle checkpoint "
             f"{name} --wait` first"
         )
+    if isvc["spec"].get("apiKeySecretRef"):
+        # kube-apiserver deletes the Authorization header once it has authenticated
+        # the caller, so a completion through its service proxy can never carry the key.
+        raise SystemExit(
+            f"{name} requires an API key (spec.apiKeySecretRef), and bench measures the first "
+            "token through the apiserver's service proxy, which drops the Authorization "
+            "header: bench a copy of the service without apiKeySecretRef"
+        )
     model = isvc["spec"]["model"].get("servedName") or name
     replicas = int(isvc["spec"].get("replicas", 1))
     policy = isvc["spec"].get("coldStart", {}).get("restorePolicy", "IfAvailable")

@@ -186,3 +186,18 @@ def test_pod_report_reads_what_the_operator_mirrored() -> None:
     assert bench.pod_report(kube, "ns", "p") == ("restored", "", 2.25)  # type: ignore[arg-type]
     kube.pod["metadata"]["annotations"] = {"rekindle.dev/boot-path": "booted"}
     assert bench.pod_report(kube, "ns", "p", wait_s=0) == ("booted", "", None)  # type: ignore[arg-type]
+
+
+def test_bench_refuses_a_service_with_an_api_key() -> None:
+    """The apiserver's service proxy drops Authorization: say so instead of timing out."""
+    from rekindle_operator import cluster_bench
+
+    class OneIsvc:
+        def get(self, kind: str, ns: str, name: str) -> dict:
+            return {
+                "spec": {"model": {}, "apiKeySecretRef": {"name": "k", "key": "key"}},
+                "status": {"checkpoint": "c1"},
+            }
+
+    with pytest.raises(SystemExit, match="apiKeySecretRef"):
+        cluster_bench.run(OneIsvc(), "ns", "tiny", 1)  # type: ignore[arg-type]

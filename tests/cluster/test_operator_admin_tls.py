@@ -24,12 +24,17 @@ from tests.cluster.operator_fixtures import (
     apply,
     get,
     isvc_manifest,
+    kubectl_rekindle,
+    op_namespace,
+    operator,
     pods_of,
     require_runtime_image,
     run_plugin,
     wait_status,
 )
 from tests.unit.tls_certs import make_ca, make_server_cert, needs_openssl
+
+__all__ = ["kubectl_rekindle", "op_namespace", "operator"]  # fixtures used by name
 
 pytestmark = [pytest.mark.cluster, needs_openssl]
 NAME = "tls"

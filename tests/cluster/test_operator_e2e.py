@@ -230,6 +230,9 @@ def test_corrupted_checkpoint_boots_normally_and_says_why(
     where = data_dir(host_dir, ck)
     images = sorted(where.rglob("pages-*.img"), key=lambda p: p.stat().st_size)
     assert images, f"no CRIU pages image under {where}"
+    with pytest.raises(PermissionError):  # immutable: root cannot write it as it is
+        images[-1].open("r+b")
+    immutable.set_immutable(images[-1], False)  # what a root attacker on the node would do
     with images[-1].open("r+b") as f:  # flip bytes in the middle of the biggest image
         f.seek(images[-1].stat().st_size // 2)
         chunk = f.read(4096)

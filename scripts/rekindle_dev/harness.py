@@ -6,11 +6,15 @@ a restore then meets an empty /dev/shm and free PIDs exactly as in a new pod,
 and the host's /dev/shm is never touched. Killing the namespace's PID 1 kills
 everything in it.
 
-Ports cannot collide: the agent binds its serve and admin ports to port 0 and
-writes what it got to its --ports-file, which AgentProc reads; vLLM's port
-(which must be known in advance) comes from rekindle_dev.ports, outside the
-range the kernel hands out. The agent's argv is built by the contract's
-agent_argv(), as the operator builds a pod's.
+Ports cannot collide: every port an agent binds (serve, admin, and vLLM's,
+which must be known in advance) comes from rekindle_dev.ports, outside the
+range the kernel hands out, and the agent reports what it bound in its
+--ports-file, which AgentProc reads. Not port 0 for the agent: the agents share
+the host's network namespace (pods would not), and a restored vLLM tree
+listens again on the ephemeral ports it had (torch's and vLLM's internal
+servers), which a port-0 bind of the agent restoring it, or of any agent
+before, could hold. The agent's argv is built by the contract's agent_argv(),
+as the operator builds a pod's.
 """
 
 from __future__ import annotations
@@ -233,13 +237,15 @@ class AgentFactory:
 
     def args(self, **overrides: Any) -> AgentArgs:
         """The agent's settings: this factory's, with overrides (AgentArgs field names)."""
+        serve = free_port()
+        admin = free_port(exclude={serve, self.vllm_port})
         base = AgentArgs(
             model=str(self.model),
             served_name=self.served_name,
             max_model_len=512,
             bind_host="127.0.0.1",
-            serve_port=0,
-            admin_port=0,
+            serve_port=serve,
+            admin_port=admin,
             vllm_port=self.vllm_port,
             token_file=str(self.token_file),
             run_dir=str(self.run_dir),

@@ -1,8 +1,8 @@
-"""A TCP port for a server that cannot take port 0: vLLM behind the agent.
+"""TCP ports for the harness's agents and their vLLM, outside the kernel's ephemeral range.
 
-The agent's own ports are 0 (the kernel picks, the agent reports them with
---ports-file), but vLLM's port must be a number the agent knows in advance,
-and a restored vLLM listens on it again. Picking a free port and closing it
+vLLM's port must be a number the agent knows in advance, and a restored vLLM
+listens on it again (and on the ephemeral ports its internal servers had).
+Picking a free port and closing it
 races every other process on the machine: the kernel hands out ports for
 bind(port 0) and for outgoing connections from the ephemeral range
 (/proc/sys/net/ipv4/ip_local_port_range), so a port picked there can be
@@ -30,10 +30,11 @@ def ephemeral_range() -> tuple[int, int]:
         return 32768, 60999  # Linux's default
 
 
-def free_port(host: str = "127.0.0.1", tries: int = 200) -> int:
-    """A port outside the ephemeral range that nothing listens on right now."""
+def free_port(host: str = "127.0.0.1", tries: int = 200, exclude: set[int] | None = None) -> int:
+    """A port outside the ephemeral range that nothing listens on right now (nor in exclude)."""
     lo, hi = ephemeral_range()
-    candidates = [p for p in range(LOWEST, 65536) if not lo <= p <= hi]
+    skip = exclude or set()
+    candidates = [p for p in range(LOWEST, 65536) if not lo <= p <= hi and p not in skip]
     for port in random.sample(candidates, min(tries, len(candidates))):
         with socket.socket() as s:
             try:

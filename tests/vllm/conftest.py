@@ -1,7 +1,7 @@
 """Real-vLLM fixtures: the agent as a subprocess, in a fresh PID + mount namespace like a pod.
 
 The launching itself is rekindle_dev.harness (shared with `rekindle-dev bench local`):
-ports 0 with --ports-file for the agent, vLLM's port outside the ephemeral range.
+every port (the agent's and vLLM's) outside the ephemeral range, reported in --ports-file.
 Agents run under `unshare --pid --fork --mount-proc --mount` with their own
 tmpfs on /dev/shm, so a restore sees an empty /dev/shm and free PIDs exactly
 as in a new pod, and the host's /dev/shm is never touched. Killing the

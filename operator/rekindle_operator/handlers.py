@@ -31,7 +31,7 @@ def kube() -> Kube:
 @functools.cache
 def agents() -> Agents:
     """One per process: it holds the checkpoint calls this process has running."""
-    return Agents()
+    return Agents(secrets=kube())
 
 
 @functools.cache

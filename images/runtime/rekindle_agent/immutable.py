@@ -30,10 +30,15 @@ def _flags(fd: int) -> int:
     return buf[0]
 
 
+def _open(path: Path) -> int:
+    """Read-only is enough for the flag ioctls; never through a symlink."""
+    return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+
+
 def set_immutable(path: Path, on: bool = True) -> bool:
     """Set (or clear) the flag on one file. False where the file system has no such flag;
     EPERM (no CAP_LINUX_IMMUTABLE) raises."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    fd = _open(path)
     try:
         try:
             old = _flags(fd)
@@ -56,7 +61,7 @@ def set_immutable(path: Path, on: bool = True) -> bool:
 
 def is_immutable(path: Path) -> bool:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        fd = _open(path)
     except OSError:
         return False
     try:

@@ -1,6 +1,6 @@
 """The InferenceService spec as typed values, with the CRD's defaults applied again.
 
-The apiserver already defaults and validates (charts/rekindle/crds/); parsing
+The apiserver already defaults and validates (charts/rekindle/files/crds/); parsing
 here once more keeps every builder a pure function of one typed value, and
 lets unit tests build specs without a cluster.
 """

@@ -30,7 +30,7 @@ from tests.cluster.cluster_tools import (
     kubectl_json,
 )
 
-CRDS = REPO / "charts" / "rekindle" / "crds"
+CRDS = REPO / "charts" / "rekindle" / "files" / "crds"
 RUNTIME_IMAGE = "rekindle.local/runtime-cpu:dev"
 OPERATOR_IMAGE = "rekindle.local/operator:dev"
 

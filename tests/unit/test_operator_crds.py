@@ -10,7 +10,7 @@ import yaml
 from rekindle_contract.vllm_argv import MANAGED_VLLM_FLAGS
 from rekindle_operator.constants import CKPT_PLURAL, GROUP, ISVC_PLURAL, VERSION
 
-CRDS = Path(__file__).resolve().parents[2] / "charts" / "rekindle" / "crds"
+CRDS = Path(__file__).resolve().parents[2] / "charts" / "rekindle" / "files" / "crds"
 
 
 def crd(plural: str) -> dict[str, Any]:

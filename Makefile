@@ -16,7 +16,7 @@ PYTEST      := $(PY) -m pytest
 FAST        := not cluster and not criu and not vllm and not packaging
 
 .PHONY: help env lint fmt typecheck test test-unit test-packaging test-criu test-vllm test-cluster \
-        cluster-up cluster-down cluster-status images demo clean-cache
+        cluster-up cluster-down cluster-status images image-gpu-rootfs demo clean-cache
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-15s %s\n", $$1, $$2}'
@@ -37,6 +37,7 @@ fmt: env ## format and autofix with ruff
 test: lint test-unit test-packaging test-criu test-vllm test-cluster ## everything: lint, unit, packaging, CRIU, vLLM and cluster suites
 
 test-unit: env ## fast tests: pure logic, no root, no servers (gpu ones skip without CUDA)
+	scripts/build-kubernetes >/dev/null  # the pinned helm, for the chart template tests
 	$(PYTEST) -m "$(FAST)"
 
 test-packaging: env ## pip install '.[operator]' into a clean venv: kubectl-rekindle and --plot work
@@ -66,6 +67,9 @@ images: cluster-up ## build the local images (smoke, runtime-cpu, operator) and 
 	for image in smoke runtime-cpu operator; do
 		scripts/local-cluster load-image "$$(scripts/build-image $$image)"
 	done
+
+image-gpu-rootfs: ## the GPU runtime image's root filesystem, built locally (not in CI: GB of CUDA wheels; never run on a GPU)
+	images/runtime-gpu/build-rootfs
 
 demo: env cluster-up images ## the main job, end to end, on the local cluster
 	scripts/demo

@@ -23,6 +23,9 @@ MMAP_MODES = ("auto", "on", "off")
 # size only catch damage, and the agent refuses them when a signing key is set.
 VERIFY_MODES = ("blake3", "crc32", "sha256", "size")
 DEVICES = ("cpu", "cuda")
+# Where the runtime images (CPU and GPU) install CRIU's CUDA plugin; the operator
+# passes it as --criu-plugins for device cuda.
+CUDA_PLUGIN_DIR = "/opt/criu/patched/plugins"
 
 
 def _opt(help: str, choices: tuple[str, ...] | None = None, **kw: Any) -> Any:
@@ -67,6 +70,11 @@ class AgentArgs:
     criu: str = _opt("CRIU binary", default="criu")
     criu_plugins: str | None = _opt(
         "CRIU plugin directory (-L), e.g. the CUDA plugin's", default=None
+    )
+    cuda_checkpoint: str = _opt(
+        "NVIDIA's cuda-checkpoint (a path, or a name looked up on PATH) that CRIU's CUDA "
+        "plugin runs: its directory goes first on CRIU's PATH (device cuda only)",
+        default="cuda-checkpoint",
     )
     mmap_restore: str = _opt("zero-copy restore: auto, on or off", MMAP_MODES, default="auto")
     prefetch: bool = _opt("read the checkpoint into the page cache while restoring", default=True)

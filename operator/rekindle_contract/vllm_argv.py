@@ -8,7 +8,9 @@ agent flags (agent_args.py), and refuses user flags that collide with these.
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from rekindle_contract.api import VLLM_PORT
 from rekindle_contract.rpc import WORKER_EXTENSION
@@ -30,6 +32,46 @@ MANAGED_VLLM_FLAGS = (
     "--kv-offloading-size",
     "--kv-offloading-backend",
 )
+
+
+# Set by the operator when spec.multimodal.enabled is unset: the agent keeps the
+# shared-memory multimodal cache only if the model takes images (takes_images on
+# its config.json), since the operator cannot read the model's config itself.
+MM_AUTO_ENV = "REKINDLE_MM_CACHE_AUTO"
+
+# Architectures (config.json "architectures") of models that take images, for
+# configs that do not carry a vision_config of their own.
+VISION_ARCHITECTURES = frozenset(
+    {
+        "LlavaForConditionalGeneration",
+        "LlavaNextForConditionalGeneration",
+        "LlavaOnevisionForConditionalGeneration",
+        "Qwen2VLForConditionalGeneration",
+        "Qwen2_5_VLForConditionalGeneration",
+        "MllamaForConditionalGeneration",
+        "PaliGemmaForConditionalGeneration",
+        "Gemma3ForConditionalGeneration",
+        "Idefics3ForConditionalGeneration",
+        "InternVLChatModel",
+        "Phi3VForCausalLM",
+        "MiniCPMV",
+        "PixtralForConditionalGeneration",
+        "Mistral3ForConditionalGeneration",
+        "Llama4ForConditionalGeneration",
+    }
+)
+
+
+def takes_images(config: Mapping[str, Any]) -> bool:
+    """Whether a Hugging Face config.json describes a model with an image input.
+
+    A vision tower shows as a vision_config section; older or custom configs
+    are recognised by their architecture name.
+    """
+    if isinstance(config.get("vision_config"), Mapping):
+        return True
+    archs = config.get("architectures") or []
+    return any(str(a) in VISION_ARCHITECTURES for a in archs)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ through after `--`.
 
 from __future__ import annotations
 
-from rekindle_contract.agent_args import AgentArgs, agent_argv
+from rekindle_contract.agent_args import CUDA_PLUGIN_DIR, AgentArgs, agent_argv
 from rekindle_contract.pod import CHECKPOINT_ENV, CHECKPOINT_MOUNT
 
 from rekindle_operator import admin_tls
@@ -37,6 +37,9 @@ def agent_args(spec: IsvcSpec) -> AgentArgs:
         checkpoint=f"$({CHECKPOINT_ENV})",
         restore_policy=_RESTORE_POLICY[spec.restore_policy],
         prefetch=spec.prefetch,
+        # CRIU's CUDA plugin is only loaded from a directory given with -L: without
+        # it a GPU dump meets /dev/nvidia* and fails (docs/gpu.md).
+        criu_plugins=CUDA_PLUGIN_DIR if spec.device != "cpu" else None,
         # Flags rather than env (unlike the token and key files): an agent too old
         # to know them stops with a usage error instead of serving plain HTTP.
         admin_tls_cert=admin_tls.CERT_FILE if spec.admin_tls else None,

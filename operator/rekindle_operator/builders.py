@@ -27,9 +27,11 @@ from rekindle_contract.pod import (
     TOKEN_DIR,
     TOKEN_KEY,
 )
+from rekindle_contract.vllm_argv import MM_AUTO_ENV
 
 from rekindle_operator import admin_tls
 from rekindle_operator.agent_command import agent_command
+from rekindle_operator.checkpoint_storage import prefer_node
 from rekindle_operator.constants import (
     ANN_FINGERPRINT,
     ANN_RESTART,
@@ -41,8 +43,10 @@ from rekindle_operator.constants import (
     NAME_LABEL,
     SERVING_LABEL,
 )
+from rekindle_operator.model_source import fetch_init_container, model_mounts, model_volumes
+from rekindle_operator.pod_template import env_from_manifest, merge_into
 from rekindle_operator.quantity import mib_str
-from rekindle_operator.shm_sizing import memory_limit_bytes
+from rekindle_operator.shm_sizing import memory_limit_bytes, memory_request_bytes
 from rekindle_operator.spec import IsvcSpec
 
 Obj = dict[str, Any]
@@ -173,7 +177,7 @@ def build_pvc(spec: IsvcSpec, owner: Mapping[str, Any] | None = None) -> Obj | N
             "checkpoints",
         ),
         "spec": {
-            "accessModes": ["ReadWriteOnce"],
+            "accessModes": [spec.storage.access_mode],
             "resources": {"requests": {"storage": spec.storage.size}},
         },
     }
@@ -260,12 +264,15 @@ def checkpoint_volume(spec: IsvcSpec) -> Obj:
 
 
 def _resources(spec: IsvcSpec, shm_bytes: int) -> Obj:
-    requests: Obj = {"memory": spec.memory}
+    """Memory request and limit both count /dev/shm (shm_sizing); GPUs as the device
+    plugin's extended resource (nvidia.com/gpu, a MIG profile, another vendor's),
+    which Kubernetes wants equal in requests and limits."""
+    requests: Obj = {"memory": mib_str(memory_request_bytes(spec, shm_bytes))}
     limits: Obj = {"memory": mib_str(memory_limit_bytes(spec, shm_bytes))}
     if spec.cpu:
         requests["cpu"] = spec.cpu
     if spec.gpus:
-        requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = spec.gpus
+        requests[spec.gpu_resource] = limits[spec.gpu_resource] = spec.gpus
     return {"requests": requests, "limits": limits}
 
 
@@ -279,9 +286,30 @@ def _probe(path: str, spec: IsvcSpec, **timing: int) -> Obj:
 
 
 def build_pod_template(spec: IsvcSpec, shm_bytes: int, fingerprint: str) -> Obj:
-    user = dict(spec.env)
+    """The pod the operator owns, with the user's spec.podTemplate and spec.envFrom merged in."""
+    template = _operator_pod_template(spec, shm_bytes, fingerprint)
+    container = template["spec"]["containers"][0]
+    if spec.env_from:
+        # Explicit env wins over envFrom in Kubernetes: the operator's variables
+        # (and the loopback ones) stay as set even if a Secret holds the same names.
+        container["envFrom"] = env_from_manifest(spec.env_from)
+    merge_into(template, container, spec.pod_template)
+    return template
+
+
+def _user_env(spec: IsvcSpec) -> list[Obj]:
+    """The loopback defaults (a user's entry wins), the user's env (references passed on,
+    never resolved), and, when the agent decides on the multimodal cache, that flag."""
+    user = {e.name for e in spec.env}
     env: list[Obj] = [{"name": k, "value": v} for k, v in LOOPBACK_ENV.items() if k not in user]
-    env += [{"name": k, "value": v} for k, v in spec.env]
+    env += [e.manifest() for e in spec.env]
+    if spec.mm_cache_undecided:
+        env.append({"name": MM_AUTO_ENV, "value": "1"})
+    return env
+
+
+def _operator_pod_template(spec: IsvcSpec, shm_bytes: int, fingerprint: str) -> Obj:
+    env = _user_env(spec)
     # Set by the operator (spec.env may not name them: spec.MANAGED_ENV). The
     # agent reads them as it reads its flags; env is understood by every agent
     # version, where a flag an older agent lacks would stop it.
@@ -342,6 +370,8 @@ def build_pod_template(spec: IsvcSpec, shm_bytes: int, fingerprint: str) -> Obj:
                 "mountPath": CHECKPOINT_MOUNT,
                 "subPath": storage_subpath(spec.namespace, spec.name),
             },
+            # The model's volume (PVC, node path or hub cache), read-only; none for the image.
+            *model_mounts(spec.model),
         ],
     }
     if spec.api_key_secret:
@@ -368,6 +398,8 @@ def build_pod_template(spec: IsvcSpec, shm_bytes: int, fingerprint: str) -> Obj:
         },
         "spec": {
             "containers": [container],
+            # A hub model is downloaded into the node's cache before the agent starts.
+            **_fetch_model(spec),
             # vLLM and the agent never call the Kubernetes API: no token in the pod.
             "automountServiceAccountToken": False,
             "terminationGracePeriodSeconds": 30,
@@ -395,11 +427,17 @@ def build_pod_template(spec: IsvcSpec, shm_bytes: int, fingerprint: str) -> Obj:
                     },
                 },
                 checkpoint_volume(spec),
+                *model_volumes(spec.model),
                 *_api_key_volumes(spec),
                 *_admin_tls_volumes(spec),
             ],
         },
     }
+
+
+def _fetch_model(spec: IsvcSpec) -> Obj:
+    init = fetch_init_container(spec.model, spec.image, spec.image_pull_policy)
+    return {"initContainers": [init]} if init else {}
 
 
 def _api_key_volumes(spec: IsvcSpec) -> list[Obj]:
@@ -439,9 +477,20 @@ def _admin_tls_volumes(spec: IsvcSpec) -> list[Obj]:
 
 
 def build_deployment(
-    spec: IsvcSpec, shm_bytes: int, fingerprint: str, owner: Mapping[str, Any] | None = None
+    spec: IsvcSpec,
+    shm_bytes: int,
+    fingerprint: str,
+    owner: Mapping[str, Any] | None = None,
+    restore_node: str = "",
 ) -> Obj:
-    """The vLLM pods: the agent as entrypoint, /dev/shm sized, checkpoint storage mounted."""
+    """The vLLM pods: the agent as entrypoint, /dev/shm sized, checkpoint storage mounted.
+
+    restore_node: the node holding the hostPath checkpoint new pods restore from;
+    they prefer it (checkpoint_storage.prefer_node). The template changes when it
+    does, so the first checkpoint on a node rolls the replicas onto restored ones.
+    """
+    template = build_pod_template(spec, shm_bytes, fingerprint)
+    prefer_node(template["spec"], restore_node)
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -455,7 +504,7 @@ def build_deployment(
                 "type": "RollingUpdate",
                 "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
             },
-            "template": build_pod_template(spec, shm_bytes, fingerprint),
+            "template": template,
         },
     }
 

@@ -14,6 +14,7 @@ from rekindle_contract.api import SERVE_PORT
 
 from rekindle_operator import admin_tls
 from rekindle_operator import builders as b
+from rekindle_operator.checkpoint_storage import node_to_prefer, restore_node, rwo_spread_warning
 from rekindle_operator.constants import (
     ANN_AGENT_READY,
     ANN_BOOT_PATH,
@@ -97,8 +98,12 @@ def ensure_objects(
     shm_bytes: int,
     settings: Settings | None = None,
     deployment: bool = True,
+    node: str = "",
 ) -> None:
-    """Everything the InferenceService owns; the Deployment only when deployment is True."""
+    """Everything the InferenceService owns; the Deployment only when deployment is True.
+
+    node: where the hostPath checkpoint new pods restore from lives (preferred for them).
+    """
     settings = settings or Settings()
     kube.create_if_absent(b.build_secret(spec, owner=body))
     kube.create_if_absent(b.build_signing_secret(spec, owner=body))
@@ -113,16 +118,60 @@ def ensure_objects(
         kube.create_if_absent(pvc)
     kube.apply(b.build_service(spec, owner=body))
     if deployment:
-        kube.apply(b.build_deployment(spec, shm_bytes, spec_fingerprint(spec), owner=body))
+        kube.apply(
+            b.build_deployment(
+                spec, shm_bytes, spec_fingerprint(spec), owner=body, restore_node=node
+            )
+        )
 
 
-def observe_pods(kube: Kube, spec: IsvcSpec, agents: Agents) -> tuple[PodBoot, ...]:
+def hostpath_restore_node(
+    kube: Kube, spec: IsvcSpec, checkpoints: list[dict[str, Any]], in_use: str | None
+) -> str:
+    """The node new pods should prefer (a hostPath checkpoint's), or "" (see node_to_prefer)."""
+    node = restore_node(spec, checkpoints, in_use)
+    if not node:
+        return ""
+    pods = kube.list("Pod", spec.namespace, b.selector_string(spec.name))
+    live = [p for p in pods if not (p.get("metadata") or {}).get("deletionTimestamp")]
+    deployment = kube.get("Deployment", spec.namespace, b.deployment_name(spec.name))
+    nodes = [(p.get("spec") or {}).get("nodeName") or "" for p in live]
+    return node_to_prefer(node, deployment, nodes)
+
+
+def storage_warning(
+    kube: Kube, spec: IsvcSpec, nodes: set[str], old: Body, new: dict[str, Any], emit: Emit
+) -> None:
+    """A Warning Event (once per change) when a ReadWriteOnce checkpoint claim meets
+    replicas on several nodes; status.storageWarning keeps it until that ends."""
+    warning = None
+    if spec.storage.type == "pvc" and len(nodes) > 1:
+        claim = b.pvc_name(spec)
+        modes: list[str] = [spec.storage.access_mode]
+        if spec.storage.existing_claim:  # the user's claim says what it is
+            pvc = kube.get("PersistentVolumeClaim", spec.namespace, claim) or {}
+            modes = list((pvc.get("spec") or {}).get("accessModes") or [])
+        warning = rwo_spread_warning(spec, claim, modes, nodes)
+    if warning:
+        new["storageWarning"] = warning
+        if old.get("storageWarning") != warning:
+            emit("Warning", "ReadWriteOnceMultiNode", warning)
+    elif old.get("storageWarning"):
+        new["storageWarning"] = None  # the status is merge-patched: None removes the field
+
+
+def observe_pods(
+    kube: Kube, spec: IsvcSpec, agents: Agents, nodes: set[str] | None = None
+) -> tuple[PodBoot, ...]:
+    """Each live pod's boot report; nodes (when given) collects the nodes they are on."""
     pods = kube.list("Pod", spec.namespace, b.selector_string(spec.name))
     token: str | None = None
     out = []
     for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
         if (pod.get("metadata") or {}).get("deletionTimestamp"):
             continue
+        if nodes is not None and (pod.get("spec") or {}).get("nodeName"):
+            nodes.add(pod["spec"]["nodeName"])
         boot = pod_boot(pod, None, "pod has no IP yet")
         if (pod.get("status") or {}).get("podIP"):
             if token is None:
@@ -192,9 +241,18 @@ def reconcile(
     if shm_error is None:
         # The pointer first: a pod the Deployment change starts must see it.
         in_use = update_pointer(kube, body, spec, checkpoints)
-        ensure_objects(kube, body, spec, shm_bytes, settings, deployment=tls_error is None)
+        ensure_objects(
+            kube,
+            body,
+            spec,
+            shm_bytes,
+            settings,
+            deployment=tls_error is None,
+            node=hostpath_restore_node(kube, spec, checkpoints, in_use),
+        )
     deployment = kube.get("Deployment", spec.namespace, b.deployment_name(spec.name))
-    pods = observe_pods(kube, spec, agents) if deployment else ()
+    nodes: set[str] = set()
+    pods = observe_pods(kube, spec, agents, nodes) if deployment else ()
     obs = Observed(
         spec_replicas=spec.replicas,
         deployment=deployment,
@@ -215,6 +273,7 @@ def reconcile(
             emit("Warning", "AdminTLSSecretInvalid", tls_error)
     elif str(old.get("message") or "").startswith("spec.adminTLS"):
         new["message"] = ""  # the Secret is there now, or adminTLS is gone
+    storage_warning(kube, spec, nodes, old, new, emit)
     for kind, reason, message in transitions(old, new):
         emit(kind, reason, message)
     return new

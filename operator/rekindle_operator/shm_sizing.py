@@ -103,5 +103,50 @@ def shm_shortfall(spec: IsvcSpec, need: ShmBudget) -> str | None:
 
 
 def memory_limit_bytes(spec: IsvcSpec, shm_bytes: int) -> int:
-    """tmpfs pages are charged to the container's memory cgroup: the limit must include them."""
-    return to_bytes(spec.memory) + shm_bytes
+    """tmpfs pages are charged to the container's memory cgroup: the limit must include them.
+
+    So are a GPU checkpoint's host copies (gpu_host_copy_bytes).
+    """
+    return to_bytes(spec.memory) + shm_bytes + gpu_host_copy_bytes(spec)
+
+
+# Host memory a GPU checkpoint adds to the pod, per GPU (estimates, NOT yet measured
+# on a GPU: docs/gpu.md says how to measure them and what to change):
+# - vLLM's level-2 sleep discards the weights and KV cache but (vLLM 0.32, the CPU
+#   env's version) copies its "runtime" and "cudagraph" allocations into pinned host
+#   memory (memfd-backed, so charged to the pod's memory cgroup) until it wakes;
+#   0.30 (the GPU image's) discards those too and copies nothing;
+# - cuda-checkpoint then copies whatever device memory is still allocated (the CUDA
+#   context, cuBLAS/NCCL workspaces, allocations outside vLLM's pools) into host
+#   memory the driver manages, which CRIU dumps and a restore maps again.
+SLEEP_HOST_COPY_PER_GPU = 1024 * MiB
+CUDA_CHECKPOINT_HOST_COPY_PER_GPU = 1024 * MiB
+
+
+def gpu_host_copy_bytes(spec: IsvcSpec) -> int:
+    """Host memory a GPU checkpoint needs beyond spec.memory; 0 on CPU.
+
+    gpus x (SLEEP_HOST_COPY_PER_GPU + CUDA_CHECKPOINT_HOST_COPY_PER_GPU), with
+    gpus the larger of the GPUs requested and the tensor-parallel ranks. Both
+    copies exist at once while a checkpoint is taken, and again in a restored
+    pod until vLLM wakes, so the pod's memory must hold them.
+    """
+    if spec.device == "cpu":
+        return 0
+    gpus = max(spec.gpus, spec.tensor_parallel_size, 1)
+    return gpus * (SLEEP_HOST_COPY_PER_GPU + CUDA_CHECKPOINT_HOST_COPY_PER_GPU)
+
+
+def memory_request_bytes(spec: IsvcSpec, shm_bytes: int) -> int:
+    """The memory request: vLLM's memory plus what /dev/shm will certainly hold.
+
+    The scheduler places pods by their requests; /dev/shm pages are memory the
+    node must have, so they count in the request as in the limit. One
+    exception: a multimodal cache the agent may leave off (spec.multimodal.enabled
+    unset, decided from the model's config.json at launch) is in the limit and
+    in /dev/shm's size, which are caps, but not in the request, so a text
+    model does not reserve memory it never touches. Set enabled: true to
+    reserve it.
+    """
+    undecided = spec.mm_cache_bytes + MM_CACHE_HEADER if spec.mm_cache_undecided else 0
+    return to_bytes(spec.memory) + max(0, shm_bytes - undecided) + gpu_host_copy_bytes(spec)

@@ -18,18 +18,17 @@ from rekindle_contract.pod import (
     SIGNING_KEY_ENV,
     TOKEN_ENV,
 )
-from rekindle_contract.vllm_argv import MANAGED_VLLM_FLAGS
+from rekindle_contract.vllm_argv import MANAGED_VLLM_FLAGS, MM_AUTO_ENV
 
 from rekindle_operator.constants import ANN_RESTART
+from rekindle_operator.model_source import ModelSource, parse_model
+from rekindle_operator.pod_template import EnvVar, PodTemplate, parse_extras
 from rekindle_operator.quantity import to_bytes
+from rekindle_operator.spec_error import SpecError
 
 DEFAULT_IMAGE = "rekindle.local/runtime-cpu:dev"
 # Pod env the operator sets itself: spec.env may not name these.
-MANAGED_ENV = (CHECKPOINT_ENV, IMAGE_ENV, SIGNING_KEY_ENV, API_KEY_ENV, TOKEN_ENV)
-
-
-class SpecError(ValueError):
-    """A spec the operator refuses; the message says which field to change and how."""
+MANAGED_ENV = (CHECKPOINT_ENV, IMAGE_ENV, SIGNING_KEY_ENV, API_KEY_ENV, TOKEN_ENV, MM_AUTO_ENV)
 
 
 @dataclass(frozen=True)
@@ -39,6 +38,8 @@ class Storage:
     type: str = "pvc"  # pvc | hostPath
     size: str = "20Gi"
     storage_class: str | None = None
+    # ReadWriteOnce (one node mounts it) or ReadWriteMany (replicas on several nodes).
+    access_mode: str = "ReadWriteOnce"
     existing_claim: str | None = None
     host_path: str = "/var/lib/rekindle/checkpoints"
     # What happens to an operator-created PVC when the InferenceService goes:
@@ -79,11 +80,19 @@ class IsvcSpec:
     tensor_parallel_size: int = 1
     max_model_len: int | None = None
     vllm_args: tuple[str, ...] = ()
-    env: tuple[tuple[str, str], ...] = ()
+    env: tuple[EnvVar, ...] = ()
+    # spec.envFrom: each a canonical JSON {secretRef|configMapRef, prefix}; never resolved here.
+    env_from: tuple[str, ...] = ()
     cpu: str | None = None
     memory: str = "8Gi"
-    gpus: int = 0
+    gpus: int = 0  # spec.resources.gpu.count (or the older spec.resources.gpus)
+    gpu_resource: str = "nvidia.com/gpu"  # spec.resources.gpu.resourceName
     shm_size: str | None = None  # None: the operator computes it
+    # spec.multimodal.enabled: True the model takes images, False it does not,
+    # None (unset) the agent decides from the model's config.json at launch.
+    mm_enabled: bool | None = None
+    # The shared-memory multimodal cache is sized for and passed to the agent:
+    # spec.multimodal.shmCache, and never for a model declared text-only.
     mm_shm_cache: bool = True
     mm_cache_bytes: int = 4 * 2**30
     mm_max_object_mib: int = 128
@@ -101,6 +110,16 @@ class IsvcSpec:
     # the agent, in front of vLLM, and never reaches vLLM's process, so a
     # checkpoint made with or without it restores the same tree either way.
     admin_tls: AdminTLS | None = None
+    # Where the weights come from (spec.model); model_source above is the path
+    # vLLM loads them from inside the container (model.path).
+    model: ModelSource = field(default_factory=ModelSource)
+    # spec.podTemplate: placement, identity, extra labels, annotations and volumes.
+    pod_template: PodTemplate = field(default_factory=PodTemplate)
+
+    @property
+    def mm_cache_undecided(self) -> bool:
+        """The cache is sized for, but the agent may leave it off (a text model's config.json)."""
+        return self.mm_shm_cache and self.mm_enabled is None
 
 
 def _get(d: Mapping[str, Any], key: str) -> Mapping[str, Any]:
@@ -115,9 +134,7 @@ def parse_spec(
 ) -> IsvcSpec:
     """IsvcSpec from the object's spec; raises SpecError naming the field to fix."""
     model = _get(spec, "model")
-    source = model.get("source")
-    if not source:
-        raise SpecError("spec.model.source is required: a local model directory or a model id")
+    source = parse_model(model)
     runtime = _get(spec, "runtime")
     res = _get(spec, "resources")
     shm = _get(spec, "sharedMemory")
@@ -133,13 +150,13 @@ def parse_spec(
     tp = int(spec.get("tensorParallelSize", 1))
     replicas = int(spec.get("replicas", 1))
     device = str(runtime.get("device", "cpu"))
-    gpus = int(res.get("gpus", 0))
+    extras = parse_extras(spec, res)
     vllm_args = tuple(str(a) for a in spec.get("vllmArgs", []) or [])
-    env = tuple((str(e["name"]), str(e.get("value", ""))) for e in spec.get("env", []) or [])
     out = IsvcSpec(
         name=name,
         namespace=namespace,
-        model_source=str(source),
+        model_source=source.path,
+        model=source,
         served_name=str(model.get("servedName") or name),
         image=str(runtime.get("image", DEFAULT_IMAGE)),
         image_pull_policy=str(runtime.get("imagePullPolicy", "IfNotPresent")),
@@ -148,12 +165,16 @@ def parse_spec(
         tensor_parallel_size=tp,
         max_model_len=int(spec["maxModelLen"]) if spec.get("maxModelLen") else None,
         vllm_args=vllm_args,
-        env=env,
+        env=extras.env,
+        env_from=extras.env_from,
+        pod_template=extras.template,
         cpu=str(res["cpu"]) if res.get("cpu") is not None else None,
         memory=str(res.get("memory", "8Gi")),
-        gpus=gpus,
+        gpus=extras.gpu.count,
+        gpu_resource=extras.gpu.resource_name,
         shm_size=str(shm["size"]) if shm.get("size") else None,
-        mm_shm_cache=bool(mm.get("shmCache", True)),
+        mm_enabled=bool(mm["enabled"]) if mm.get("enabled") is not None else None,
+        mm_shm_cache=bool(mm.get("shmCache", True)) and mm.get("enabled") is not False,
         mm_cache_bytes=to_bytes(mm.get("cacheSize", "4Gi")),
         mm_max_object_mib=int(mm.get("maxObjectMiB", 128)),
         prefix_caching=bool(kv.get("prefixCaching", True)),
@@ -162,6 +183,7 @@ def parse_spec(
             type=str(st.get("type", "pvc")),
             size=str(pvc.get("size", "20Gi")),
             storage_class=pvc.get("storageClassName"),
+            access_mode=str(pvc.get("accessMode", "ReadWriteOnce")),
             existing_claim=pvc.get("existingClaim"),
             host_path=str(hp.get("path", "/var/lib/rekindle/checkpoints")),
             deletion_policy=str(st.get("deletionPolicy", "Retain")),
@@ -202,10 +224,17 @@ def validate(s: IsvcSpec) -> None:
         raise SpecError("spec.tensorParallelSize must be 1 or more")
     if s.device not in ("cpu", "gpu"):
         raise SpecError(f"spec.runtime.device is {s.device!r}: use 'cpu' or 'gpu'")
-    if s.device == "gpu" and s.gpus < s.tensor_parallel_size:
+    tp = s.tensor_parallel_size
+    if s.device == "gpu" and s.gpus < tp:
         raise SpecError(
-            f"spec.resources.gpus ({s.gpus}) is below spec.tensorParallelSize "
-            f"({s.tensor_parallel_size}): each tensor-parallel rank needs a GPU"
+            f"spec.resources.gpu.count ({s.gpus}) is below spec.tensorParallelSize ({tp}): "
+            f"each tensor-parallel rank needs a GPU; set spec.resources.gpu.count (or the "
+            f"older spec.resources.gpus) to at least {tp}, or lower spec.tensorParallelSize"
+        )
+    if s.device == "cpu" and s.gpus:
+        raise SpecError(
+            f"spec.resources.gpu.count is {s.gpus} but spec.runtime.device is cpu: set "
+            "spec.runtime.device to gpu, or remove the GPU request"
         )
     for arg in s.vllm_args:
         flag = arg.split("=", 1)[0]
@@ -214,7 +243,7 @@ def validate(s: IsvcSpec) -> None:
                 f"spec.vllmArgs sets {flag}, which the operator manages: "
                 "use spec.model, spec.multimodal, spec.kvCache or spec.tensorParallelSize instead"
             )
-    for name, _ in s.env:
+    for name in (e.name for e in s.env):
         if name in MANAGED_ENV:
             raise SpecError(
                 f"spec.env sets {name}, which the operator manages: remove it "
@@ -228,6 +257,11 @@ def validate(s: IsvcSpec) -> None:
     if s.storage.type not in ("pvc", "hostPath"):
         raise SpecError(
             f"spec.coldStart.storage.type is {s.storage.type!r}: use 'pvc' or 'hostPath'"
+        )
+    if s.storage.access_mode not in ("ReadWriteOnce", "ReadWriteMany"):
+        raise SpecError(
+            f"spec.coldStart.storage.pvc.accessMode is {s.storage.access_mode!r}: use "
+            "ReadWriteMany (replicas on several nodes) or ReadWriteOnce (one node)"
         )
     if s.storage.type == "hostPath" and not s.storage.host_path.startswith("/"):
         raise SpecError("spec.coldStart.storage.hostPath.path must be an absolute path")

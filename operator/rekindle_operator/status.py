@@ -47,6 +47,7 @@ class PodBoot:
     agent_ready_seconds: float | None = None  # agent start -> first Ready (agent's clock)
     memory: str = ""  # restored: "mmap" (mapped from the images) or "copy"
     memory_reason: str = ""  # why the agent chose that path
+    stuck: bool = False  # Kubernetes holds the pod back (reason: pod_problem's words)
 
 
 def cold_start_seconds(pod: Body) -> float | None:
@@ -77,11 +78,37 @@ def agent_ready_seconds(pod: Body, agent: StatusReply | None) -> float | None:
     return agent.start_to_ready_seconds()
 
 
+# Container waiting reasons that are the normal way up, not a problem to report.
+_STARTING = ("ContainerCreating", "PodInitializing")
+
+
+def pod_problem(pod: Body) -> str | None:
+    """Why a pod is not running, as Kubernetes says it: the scheduler's refusal
+    (Unschedulable: ... untolerated taint, insufficient nvidia.com/gpu) or a
+    container stuck waiting (ImagePullBackOff, CreateContainerConfigError for a
+    missing Secret key, CrashLoopBackOff). None while it is on its normal way up.
+    """
+    st = pod.get("status") or {}
+    for cond in st.get("conditions") or []:
+        if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
+            reason = cond.get("reason") or "NotScheduled"
+            return f"{reason}: {cond.get('message') or 'not scheduled yet'}"[:500]
+    statuses = [*(st.get("initContainerStatuses") or []), *(st.get("containerStatuses") or [])]
+    for cs in statuses:
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        reason = waiting.get("reason")
+        if reason and reason not in _STARTING:
+            msg = waiting.get("message") or ""
+            return f"{reason}: {cs.get('name')}" + (f": {msg}" if msg else "")
+    return None
+
+
 def pod_boot(pod: Body, agent: StatusReply | None, agent_error: str | None) -> PodBoot:
     """Combine the pod object with its agent's /v1/status reply (or the error asking it)."""
     name = pod["metadata"]["name"]
     if agent is None or agent.origin not in ("booted", "restored"):
-        why = agent_error or "agent not answering"
+        problem = pod_problem(pod) if agent is None else None
+        why = problem or agent_error or "agent not answering"
         if agent is not None:  # still booting or restoring: how it comes up is not known yet
             why = f"agent is {agent.state}" + (f": {agent.message}" if agent.message else "")
         return PodBoot(
@@ -92,6 +119,7 @@ def pod_boot(pod: Body, agent: StatusReply | None, agent_error: str | None) -> P
             None,
             cold_start_seconds(pod),
             agent_ready_seconds(pod, agent),
+            stuck=problem is not None,
         )
     origin = agent.origin
     fallback = agent.last_fallback or {}
@@ -176,7 +204,13 @@ def compute_status(old: Body, obs: Observed) -> dict[str, Any]:
         conds = set_condition(conds, COND_READY, True, "ReplicasReady", f"{ready} ready")
     else:
         why = "ScaledToZero" if obs.spec_replicas == 0 else "NoReadyReplica"
-        conds = set_condition(conds, COND_READY, False, why, f"0 of {obs.spec_replicas} ready")
+        msg = f"0 of {obs.spec_replicas} ready"
+        stuck = [p for p in obs.pods if p.stuck]
+        if stuck and obs.spec_replicas:
+            # The first pod's problem (Unschedulable, ImagePullBackOff...) where
+            # `kubectl get`/`describe` of the InferenceService shows it.
+            msg += f": pod {stuck[0].name} {stuck[0].reason}"
+        conds = set_condition(conds, COND_READY, False, why, msg[:1000])
 
     if obs.checkpoint:
         conds = set_condition(

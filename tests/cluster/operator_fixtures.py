@@ -54,9 +54,11 @@ def get(kind: str, name: str, namespace: str) -> dict[str, Any] | None:
     return json.loads(r.stdout) if r.returncode == 0 else None
 
 
-def isvc_manifest(name: str, host_path: str, **spec: Any) -> dict[str, Any]:
-    """The sample InferenceService (examples/tiny-cpu.yaml) with a per-test storage path."""
-    doc: dict[str, Any] = yaml.safe_load((REPO / "examples" / "tiny-cpu.yaml").read_text())
+def isvc_manifest(
+    name: str, host_path: str, example: str = "tiny-cpu.yaml", **spec: Any
+) -> dict[str, Any]:
+    """An example InferenceService (default tiny-cpu.yaml) with a per-test storage path."""
+    doc: dict[str, Any] = yaml.safe_load((REPO / "examples" / example).read_text())
     doc["metadata"] = {"name": name}
     doc["spec"]["coldStart"]["storage"]["hostPath"]["path"] = host_path
     doc["spec"].update(spec)

@@ -8,11 +8,14 @@ its Role must allow (status writes, events, owned objects) without a vLLM boot.
 from __future__ import annotations
 
 import json
+import shutil
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from tests.cluster.cluster_tools import REPO, helm, kubectl, kubectl_json, wait_until
 from tests.cluster.operator_fixtures import (
@@ -30,6 +33,9 @@ pytestmark = pytest.mark.cluster
 @pytest.fixture()
 def release(namespace: str) -> Iterator[str]:
     require_image(OPERATOR_IMAGE, "operator")
+    # The CRDs are cluster-wide and shared by tests running beside this one:
+    # applied once with kubectl, and left out of this release (crds.install=false);
+    # test_helm_upgrade_applies_crd_changes covers the chart managing them.
     install_crds()
     name = f"rk{uuid.uuid4().hex[:6]}"
     repo, tag = OPERATOR_IMAGE.rsplit(":", 1)
@@ -39,6 +45,8 @@ def release(namespace: str) -> Iterator[str]:
         str(REPO / "charts" / "rekindle"),
         "-n",
         namespace,
+        "--set",
+        "crds.install=false",
         "--set",
         f"image.repository={repo}",
         "--set",
@@ -204,3 +212,109 @@ def check_image_policy(namespace: str) -> None:
     ok = isvc_manifest("fine", "/var/lib/rekindle/unused", replicas=0)
     r = apply(ok, namespace, "--dry-run=server")
     assert r.returncode == 0, r.stderr
+
+
+CHART = REPO / "charts" / "rekindle"
+CKPT_CRD = "checkpoints.rekindle.dev"
+
+
+def changed_chart(dest: Path, probe: str) -> Path:
+    """A copy of the chart whose Checkpoint CRD has one more printer column and one more
+    optional spec field, both named probe: additions only, so tests running beside this
+    one (which share the CRD) see nothing they rely on change."""
+    chart = dest / "rekindle"
+    shutil.copytree(CHART, chart)
+    path = chart / "files" / "crds" / f"{CKPT_CRD}.yaml"
+    crd = yaml.safe_load(path.read_text())
+    for version in crd["spec"]["versions"]:
+        version.setdefault("additionalPrinterColumns", []).append(
+            {"name": probe, "type": "string", "jsonPath": ".spec." + probe, "priority": 1}
+        )
+        spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
+        spec["properties"][probe] = {"type": "string", "description": "test probe"}
+    path.write_text(yaml.safe_dump(crd, sort_keys=False))
+    return chart
+
+
+def crd_has_probe(probe: str) -> bool:
+    crd = kubectl_json("get", "crd", CKPT_CRD)
+    return any(
+        any(c["name"] == probe for c in v.get("additionalPrinterColumns", []))
+        and probe in v["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+        for v in crd["spec"]["versions"]
+    )
+
+
+def helm_release(verb: str, name: str, chart: Path, namespace: str, *extra: str) -> None:
+    """install/upgrade a release that owns the CRDs; its operator is not needed here
+    (the local image, never pulled: nothing is fetched if it is not loaded)."""
+    repo, tag = OPERATOR_IMAGE.rsplit(":", 1)
+    r = helm(
+        verb,
+        name,
+        str(chart),
+        "-n",
+        namespace,
+        "--set",
+        f"image.repository={repo}",
+        "--set",
+        f"image.tag={tag}",
+        "--set",
+        "image.pullPolicy=Never",
+        "--set",
+        f"watchNamespaces={{{namespace}}}",
+        "--set",
+        "admissionPolicy.enabled=false",
+        "--set",
+        "releaseFinalizersOnUninstall=false",
+        *extra,
+        check=False,
+    )
+    assert r.returncode == 0, f"helm {verb}: {r.stdout}{r.stderr}"
+
+
+def test_helm_upgrade_applies_crd_changes(namespace: str, tmp_path: Path) -> None:
+    """The CRDs are templates: `helm upgrade` with a chart whose CRD changed changes it on
+    the apiserver (Helm would never touch a crds/ directory after the first install), and
+    upgrading back restores it. The CRDs were applied by kubectl first (as other tests
+    do): --take-ownership lets the release adopt them."""
+    install_crds()
+    name = f"crd{uuid.uuid4().hex[:6]}"
+    probe = f"upgradeProbe{uuid.uuid4().hex[:6]}"
+    try:
+        helm_release("install", name, CHART, namespace, "--take-ownership")
+        meta = kubectl_json("get", "crd", CKPT_CRD)["metadata"]
+        assert meta["annotations"]["meta.helm.sh/release-name"] == name
+        assert meta["annotations"]["helm.sh/resource-policy"] == "keep"
+        assert not crd_has_probe(probe)
+        helm_release("upgrade", name, changed_chart(tmp_path, probe), namespace)
+        assert crd_has_probe(probe), "helm upgrade did not apply the CRD change"
+        # The new field is in the schema: a Checkpoint with it passes strict validation.
+        ck = {
+            "apiVersion": "rekindle.dev/v1alpha1",
+            "kind": "Checkpoint",
+            "metadata": {"name": "probe"},
+            "spec": {"inferenceService": "nope", probe: "x"},
+        }
+        r = apply(ck, namespace, "--dry-run=server", "--validate=strict")
+        assert r.returncode == 0, r.stderr
+        helm_release("upgrade", name, CHART, namespace)
+        assert not crd_has_probe(probe), "upgrading back did not restore the CRD"
+        r = helm("uninstall", name, "-n", namespace, "--wait", check=False)
+        assert r.returncode == 0, r.stderr
+        # helm.sh/resource-policy: keep: uninstall leaves the CRDs (and every object).
+        assert kubectl("get", "crd", CKPT_CRD, check=False).returncode == 0
+    finally:
+        helm("uninstall", name, "-n", namespace, check=False)
+        # Leave the CRDs as the repository has them, owned by no release.
+        for crd in (CKPT_CRD, "inferenceservices.rekindle.dev"):
+            kubectl(
+                "annotate",
+                "crd",
+                crd,
+                "meta.helm.sh/release-name-",
+                "meta.helm.sh/release-namespace-",
+                check=False,
+            )
+            kubectl("label", "crd", crd, "app.kubernetes.io/managed-by-", check=False)
+        install_crds()

@@ -221,3 +221,84 @@ def test_chart_renders_and_validates(namespace: str) -> None:
     assert "matchResources" not in binding["spec"]  # every namespace
     bad = helm("template", "rk", chart, "--set", "statusIntervalSeconds=-1", check=False)
     assert bad.returncode != 0 and "statusIntervalSeconds" in bad.stderr
+
+
+MODEL_COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.mark.parametrize(
+    ("model", "words"),
+    [
+        ({"servedName": "x"}, "needs exactly one of source"),
+        ({"source": "/m", "pvc": {"claimName": "w"}}, "needs exactly one of source"),
+        ({"source": "/m", "revision": "main"}, "spec.model.revision pins a Hugging Face revision"),
+        ({"pvc": {"subPath": "a"}}, "spec.model.pvc.claimName: Required"),
+        ({"pvc": {"claimName": "w", "subPath": "../x"}}, "relative to the volume's root"),
+        ({"hostPath": {"path": "models"}}, "absolute node path"),
+        ({"huggingFace": {"id": "org/a b"}}, "spec.model.huggingFace.id"),
+        ({"huggingFace": {"id": "a--b/c"}}, "may not contain '--'"),
+        ({"huggingFace": {"id": "a/b"}, "revision": "x..y"}, "may not contain '..'"),
+        ({"huggingFace": {"id": "a/b", "tokenSecretRef": {"key": "k"}}}, "tokenSecretRef.name"),
+        ({"huggingFace": {"id": "a/b", "endpoint": "ftp://x"}}, "spec.model.huggingFace.endpoint"),
+        (
+            {
+                "huggingFace": {
+                    "id": "a/b",
+                    "cache": {"pvc": {"claimName": "c"}, "hostPath": {"path": "/c"}},
+                }
+            },
+            "takes hostPath or pvc, not both",
+        ),
+    ],
+)
+def test_model_source_refusals(namespace: str, model: dict[str, Any], words: str) -> None:
+    assert words in refused(namespace, sample(model=model))
+
+
+def test_checkpoint_pvc_access_mode(namespace: str) -> None:
+    storage = {"type": "pvc", "pvc": {"accessMode": "ReadOnlyMany"}}
+    assert "supported values" in refused(namespace, sample(coldStart={"storage": storage}))
+    storage["pvc"]["accessMode"] = "ReadWriteMany"
+    r = apply(sample(coldStart={"storage": storage}), namespace)
+    assert r.returncode == 0, r.stderr
+
+
+def test_model_sources_accepted_and_their_pods_validate(namespace: str) -> None:
+    """Each source kind passes the CRD, and its Deployment (init container, Secret
+    reference, cache volume; the node preference of a hostPath restore) the apiserver."""
+    models = {
+        "pvc": {"pvc": {"claimName": "weights", "subPath": "tiny"}},
+        "node": {"hostPath": {"path": "/srv/models/tiny"}},
+        "hf": {
+            "huggingFace": {
+                "id": "Qwen/Qwen3-0.6B",
+                "tokenSecretRef": {"name": "hf-token"},
+                "cache": {"pvc": {"claimName": "hf-cache"}},
+            },
+            "revision": MODEL_COMMIT,
+        },
+    }
+    for name, model in models.items():
+        doc = sample(model={"servedName": "tiny", **model})
+        doc["metadata"]["name"] = name
+        r = apply(doc, namespace)
+        assert r.returncode == 0, f"{name}: {r.stderr}"
+        owner = kubectl_json("get", "rkis", name, "-n", namespace)
+        if name != "hf":  # (its token key is defaulted, below)
+            assert owner["spec"]["model"] == {"servedName": "tiny", **model}
+        spec = parse_spec(name, namespace, owner["spec"])
+        dep = b.build_deployment(
+            spec,
+            effective_shm_bytes(spec, shm_need(spec)),
+            spec_fingerprint(spec),
+            owner,
+            restore_node="some-node",
+        )
+        r = apply(dep, namespace, "--dry-run=server")
+        assert r.returncode == 0, f"{name}: {r.stderr}"
+    hf = kubectl_json("get", "rkis", "hf", "-n", namespace)
+    # The CRD defaults the token's key to the name the hub client reads.
+    assert hf["spec"]["model"]["huggingFace"]["tokenSecretRef"] == {
+        "name": "hf-token",
+        "key": "HF_TOKEN",
+    }

@@ -1,6 +1,8 @@
 """The operator end to end on the real local cluster, with the real CPU runtime image.
 
-One InferenceService is shared by the module (each vLLM boot costs ~30-60 s):
+One InferenceService is shared by the module (each vLLM boot costs ~30-60 s),
+serving the trained SmolLM2 (examples/smollm2-cpu.yaml), so "the same output"
+after a restore is also a right one ("Paris"):
 serve -> checkpoint -> scale 0->1 restores with identical greedy output ->
 a corrupted checkpoint boots normally and says why -> the operator killed
 mid-checkpoint recovers -> a Checkpoint deleted while a restored replica maps
@@ -48,7 +50,7 @@ from tests.cluster.operator_fixtures import (
 __all__ = ["kubectl_rekindle", "op_namespace", "operator"]  # fixtures used by name
 
 pytestmark = pytest.mark.cluster
-NAME = "tiny"
+NAME = "smollm2"
 PROMPTS = ("Hello, my name is", "The capital of France is", "1, 2, 3, 4,")
 
 
@@ -118,7 +120,7 @@ def scale_zero_then_one(ns: str) -> None:
 @pytest.fixture(scope="module")
 def served(operator: OperatorProcess, op_namespace: str, host_dir: Path) -> dict[str, Any]:
     require_runtime_image()
-    r = apply(isvc_manifest(NAME, str(host_dir)), op_namespace)
+    r = apply(isvc_manifest(NAME, str(host_dir), example="smollm2-cpu.yaml"), op_namespace)
     assert r.returncode == 0, r.stderr
     obj = ready_with(op_namespace, "booted")
     return {"url": service_url(NAME, op_namespace), "isvc": obj}
@@ -127,7 +129,9 @@ def served(operator: OperatorProcess, op_namespace: str, host_dir: Path) -> dict
 @pytest.fixture(scope="module")
 def before(served: dict[str, Any]) -> list[str]:
     """Greedy completions of the first, normally booted replica: the oracle."""
-    return completions(served["url"])
+    out = completions(served["url"])
+    assert "Paris" in out[PROMPTS.index("The capital of France is")], out
+    return out
 
 
 def test_pod_has_computed_dev_shm_and_vllm_shm_flags(
@@ -163,6 +167,20 @@ def test_chat_completion_through_the_service(served: dict[str, Any]) -> None:
     )
     assert r["choices"][0]["message"]["role"] == "assistant"
     assert r["usage"]["completion_tokens"] > 0
+    # `kubectl logs` shows vLLM's own log lines (here: its line for that request),
+    # tagged, beside the agent's.
+    (pod,) = pods_of(NAME, served["isvc"]["metadata"]["namespace"])
+    ns, name = pod["metadata"]["namespace"], pod["metadata"]["name"]
+
+    def vllm_lines() -> list[str]:
+        out = kubectl("logs", "-n", ns, name, "--tail=-1").stdout.splitlines()
+        return [ln for ln in out if ln.startswith("[vllm] ")]
+
+    wait_until(
+        "vLLM's request line in kubectl logs",
+        lambda: any("/v1/chat/completions" in ln for ln in vllm_lines()),
+        30,
+    )
 
 
 def test_checkpoint_ready_then_new_replica_restores_with_same_output(

@@ -75,6 +75,7 @@ def test_every_setting_round_trips_through_agent_argv(monkeypatch: pytest.Monkey
         restore_policy="require",
         criu="/opt/criu/bin/criu",
         criu_plugins="/opt/criu/plugins",
+        cuda_checkpoint="/opt/nvidia/bin/cuda-checkpoint",
         mmap_restore="on",
         prefetch=False,
         prefetch_threads=3,

@@ -30,6 +30,11 @@ class _Fake(BaseHTTPRequestHandler):
             )
         elif self.path == "/v1/completions":
             self._reply(200, {"choices": [{"text": " the"}]})
+        elif self.path.startswith("/sleep"):
+            self._reply(200, {"status": "sleeping", "level": 2})
+        elif self.path.startswith("/wake_up"):
+            awake = self.path.endswith("kv_cache")
+            self._reply(200, {"status": "awake" if awake else "sleeping", "tags": []})
         else:
             self._reply(200, {"results": [None]})
 
@@ -127,3 +132,110 @@ def test_contract_rpc_names_are_the_extensions_methods() -> None:
     methods = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
     names = {v for k, v in vars(rpc).items() if k.isupper() and k != "WORKER_EXTENSION"}
     assert names and names <= methods, names - methods
+
+
+# -- the GPU path against replayed vLLM answers ----------------------------------------------
+# Transcribed from vLLM's dev routes (entrypoints/serve/dev/sleep and rpc api_router.py) as
+# installed here, not captured on a GPU (none here). vLLM 0.32.0 (this project's CPU env):
+# /sleep answers {"status": "sleeping", "level": N}; /wake_up answers
+# {"status": "awake" | "sleeping", "tags": [...]}, "sleeping" until every tag is resident
+# again. vLLM 0.30.0 (the GPU image's, from `make image-gpu-rootfs`): both answer an empty
+# 200, and GET /is_sleeping answers {"is_sleeping": bool}. /collective_rpc answers
+# {"results": [one value per worker]}; /reset_prefix_cache an empty 200. Each request must
+# come in this order, or the replay answers 404 and the test fails.
+GPU_RECORDING: list[tuple[str, int, object]] = [
+    ("/collective_rpc", 200, {"results": [{"rank": 0, "bytes": 4096, "tensors": 3}]}),
+    ("/sleep?level=2", 200, {"status": "sleeping", "level": 2}),
+    ("/wake_up?tags=weights", 200, {"status": "sleeping", "tags": ["weights"]}),
+    ("/collective_rpc", 200, {"results": [{"rank": 0, "bytes": 4096, "gbps": 1.5}]}),
+    ("/wake_up?tags=kv_cache", 200, {"status": "awake", "tags": ["kv_cache"]}),
+    ("/reset_prefix_cache", 200, None),
+]
+GPU_RECORDING_0_30: list[tuple[str, int, object]] = [
+    GPU_RECORDING[0],
+    ("/sleep?level=2", 200, None),
+    ("/wake_up?tags=weights", 200, None),
+    GPU_RECORDING[3],
+    ("/wake_up?tags=kv_cache", 200, None),
+    ("GET /is_sleeping", 200, {"is_sleeping": False}),
+    ("/reset_prefix_cache", 200, None),
+]
+
+
+class _Replay(BaseHTTPRequestHandler):
+    script: ClassVar[list[tuple[str, int, object]]] = []
+    seen: ClassVar[list[str]] = []
+
+    def do_POST(self) -> None:
+        n = int(self.headers.get("Content-Length") or 0)
+        self.rfile.read(n)
+        self._answer(self.path)
+
+    def do_GET(self) -> None:
+        self._answer(f"GET {self.path}")
+
+    def _answer(self, what: str) -> None:
+        _Replay.seen.append(what)
+        if not _Replay.script or _Replay.script[0][0] != what:
+            self._reply(404, {"detail": f"unexpected {what}"})
+            return
+        _, code, doc = _Replay.script.pop(0)
+        self._reply(code, doc)
+
+    def _reply(self, code: int, doc: object) -> None:
+        raw = b"" if doc is None else json.dumps(doc).encode()
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture()
+def replay() -> Iterator[str]:
+    _Replay.seen = []
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Replay)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+
+
+@pytest.mark.parametrize("recording", [GPU_RECORDING, GPU_RECORDING_0_30], ids=["0.32", "0.30"])
+def test_gpu_release_and_wake_against_vllms_answers(
+    replay: str, recording: list[tuple[str, int, object]]
+) -> None:
+    _Replay.script = list(recording)
+    c = VllmControl(replay, "cuda")
+    c.release("/ck/weights")
+    c.wake("/ck/weights")
+    assert _Replay.script == []  # every recorded answer was asked for, in order
+    assert _Replay.seen == [path for path, _, _ in recording]
+
+
+def test_an_old_vllm_still_sleeping_after_the_wake_is_an_error(replay: str) -> None:
+    script = list(GPU_RECORDING_0_30[2:])
+    script[3] = ("GET /is_sleeping", 200, {"is_sleeping": True})
+    _Replay.script = script
+    with pytest.raises(VllmCallError, match="still sleeps"):
+        VllmControl(replay, "cuda").wake("/ck/weights")
+
+
+def test_a_wake_that_leaves_vllm_sleeping_is_an_error(replay: str) -> None:
+    script = list(GPU_RECORDING[2:])
+    script[2] = ("/wake_up?tags=kv_cache", 200, {"status": "sleeping", "tags": ["kv_cache"]})
+    _Replay.script = script
+    with pytest.raises(VllmCallError, match="'sleeping', not 'awake'"):
+        VllmControl(replay, "cuda").wake("/ck/weights")
+
+
+def test_a_refused_sleep_is_an_error(replay: str) -> None:
+    # vLLM without --enable-sleep-mode refuses the sleep (its error body, a 4xx/5xx status)
+    _Replay.script = [
+        GPU_RECORDING[0],
+        ("/sleep?level=2", 400, {"error": {"message": "Sleep mode is not enabled"}}),
+    ]
+    with pytest.raises(VllmCallError) as e:
+        VllmControl(replay, "cuda").release("/ck/weights")
+    assert e.value.status == 400

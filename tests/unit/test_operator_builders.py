@@ -68,6 +68,14 @@ def test_deployment_sizes_dev_shm_and_memory_limit() -> None:
     assert limit == to_bytes("4Gi") + need.total
 
 
+def test_memory_request_includes_dev_shm() -> None:
+    s = tiny(multimodal={"enabled": True, "cacheSize": "512Mi", "maxObjectMiB": 64})
+    need = shm_need(s)
+    res = container(deployment(s))["resources"]
+    assert to_bytes(res["requests"]["memory"]) == to_bytes("4Gi") + need.total
+    assert res["requests"]["memory"] == res["limits"]["memory"]
+
+
 def test_explicit_shm_size_is_used_when_big_enough() -> None:
     s = tiny(sharedMemory={"size": "8Gi"})
     dep = deployment(s)
@@ -132,6 +140,26 @@ def test_gpu_flags_and_resources() -> None:
     assert vllm[vllm.index("--kv-offloading-size") + 1] == "2"
     assert "--no-enable-prefix-caching" in vllm and "--enable-sleep-mode" in vllm
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 2
+    # CRIU's CUDA plugin directory, where both runtime images install it
+    assert cmd[cmd.index("--criu-plugins") + 1] == "/opt/criu/patched/plugins"
+
+
+def test_cpu_pods_pass_no_criu_plugins() -> None:
+    assert "--criu-plugins" not in container(deployment(tiny()))["command"]
+
+
+def test_gpu_pod_memory_holds_the_checkpoints_host_copies() -> None:
+    from rekindle_operator.shm_sizing import gpu_host_copy_bytes, memory_limit_bytes
+
+    cpu = tiny(resources={"memory": "16Gi"})
+    gpu = tiny(runtime={"device": "gpu"}, resources={"gpus": 2, "memory": "16Gi"})
+    assert gpu_host_copy_bytes(cpu) == 0
+    per_gpu = 2 * 1024 * 2**20  # sleep's pinned copies + cuda-checkpoint's, per GPU
+    assert gpu_host_copy_bytes(gpu) == 2 * per_gpu
+    shm = effective_shm_bytes(gpu, shm_need(gpu))
+    assert memory_limit_bytes(gpu, shm) == to_bytes("16Gi") + shm + 2 * per_gpu
+    limit = container(deployment(gpu))["resources"]["limits"]["memory"]
+    assert to_bytes(limit) == memory_limit_bytes(gpu, shm)
 
 
 def test_mm_cache_off_has_no_shm_flags() -> None:

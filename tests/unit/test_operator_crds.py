@@ -63,6 +63,9 @@ def test_schema_defaults_match_the_operator() -> None:
     assert (
         props["multimodal"]["properties"]["maxObjectMiB"]["default"] == IsvcSpec.mm_max_object_mib
     )
+    gpu = props["resources"]["properties"]["gpu"]["properties"]
+    assert gpu["resourceName"]["default"] == IsvcSpec.gpu_resource
+    assert "default" not in props["multimodal"]["properties"]["enabled"]  # unset: the agent decides
     cold = props["coldStart"]["properties"]
     assert cold["restorePolicy"]["default"] == IsvcSpec.restore_policy
     assert cold["storage"]["properties"]["deletionPolicy"]["default"] == Storage.deletion_policy

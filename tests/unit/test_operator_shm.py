@@ -68,6 +68,21 @@ def test_explicit_size_below_the_need_is_refused_with_the_number() -> None:
     assert shm.effective_shm_bytes(s, need) == 600 * MiB  # type: ignore[arg-type]
 
 
+def test_memory_request_counts_dev_shm_but_not_an_undecided_cache() -> None:
+    declared = spec(multimodal={"enabled": True})
+    need = shm.shm_need(declared)  # type: ignore[arg-type]
+    assert shm.memory_request_bytes(declared, need.total) == 8 * GiB + need.total  # type: ignore[arg-type]
+    auto = spec()  # enabled unset: the agent decides, the limit makes room, the request not
+    need = shm.shm_need(auto)  # type: ignore[arg-type]
+    assert shm.memory_request_bytes(auto, need.total) == (  # type: ignore[arg-type]
+        8 * GiB + need.total - need.multimodal_cache
+    )
+    text = spec(multimodal={"enabled": False})
+    need = shm.shm_need(text)  # type: ignore[arg-type]
+    assert need.multimodal_cache == 0
+    assert shm.memory_request_bytes(text, need.total) == 8 * GiB + need.total  # type: ignore[arg-type]
+
+
 def test_no_explicit_size_means_the_need() -> None:
     s = spec()
     need = shm.shm_need(s)  # type: ignore[arg-type]

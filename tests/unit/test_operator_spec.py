@@ -19,6 +19,9 @@ def test_defaults() -> None:
     assert s.replicas == 1
     assert s.mm_shm_cache and s.mm_cache_bytes == 4 * 2**30
     assert s.storage.type == "pvc" and s.restore_policy == "IfAvailable"
+    assert s.mm_enabled is None and s.mm_cache_undecided  # the agent decides from config.json
+    assert (s.gpus, s.gpu_resource) == (0, "nvidia.com/gpu")
+    assert s.env == () and s.env_from == () and s.pod_template.spec == {}
 
 
 def test_restart_annotation_is_carried() -> None:
@@ -43,6 +46,9 @@ def test_restart_annotation_is_carried() -> None:
         ({"coldStart": {"storage": {"type": "hostPath", "hostPath": {"path": "rel"}}}}, "absolute"),
         ({"coldStart": {"restorePolicy": "Always"}}, "IfAvailable or Never"),
         ({"multimodal": {"cacheSize": "lots"}}, "quantity"),
+        ({"resources": {"gpu": {"count": 1}}}, "device is cpu"),
+        ({"env": [{"name": "A", "value": "1", "valueFrom": {}}]}, "both value and valueFrom"),
+        ({"podTemplate": {"spec": {"initContainers": []}}}, "initContainers is set by"),
     ],
 )
 def test_refusals_name_the_field(spec: dict[str, object], words: str) -> None:

@@ -35,6 +35,17 @@ def completions(agent: AgentProc) -> list[str]:
     return [agent.complete(p) for p in PROMPTS]
 
 
+def vllm_lines_with(agent: AgentProc, text: str, timeout: float = 10) -> list[str]:
+    """The agent's output lines tagged as vLLM's that contain text (waits for them)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = [ln for ln in agent.tail(100000).splitlines() if ln.startswith("[vllm] ")]
+        found = [ln for ln in lines if text in ln]
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
+
+
 class Shared:
     ckpt: Path
     manifest: dict[str, Any]
@@ -174,6 +185,10 @@ def test_restore_in_new_namespace_twice(shared: Shared, agent_factory: AgentFact
             elif has_mmap:
                 assert "no jemalloc/tcmalloc/mimalloc" in memory["why"], memory
             assert completions(agent) == shared.before
+            if attempt == 0:
+                # The restored tree still writes to vLLM's log (CRIU reopened it) and the
+                # agent passes it on: vLLM's own request lines, tagged, on its stdout.
+                assert vllm_lines_with(agent, "/v1/completions"), agent.tail(40)
             restore = st.timings["restore"]
             assert restore["criu_restore"] > 0 and restore["total"] > 0
             # The pod-level cold start the operator's bench reports, from the agent's clock.
@@ -255,6 +270,10 @@ def test_api_needs_token(shared: Shared, agent_factory: AgentFactory) -> None:
             text = r.read().decode()
         assert 'rekindle_restore_phase_seconds_count{phase="criu_restore"} 1.0' in text
         assert 'rekindle_state{state="Ready"} 1.0' in text
+        # vLLM's own families come through (it listens on loopback only), its
+        # process_/python_ ones do not (they would clash with the agent's).
+        assert "\n# TYPE vllm:num_requests_running gauge\n" in text
+        assert "process_cpu_seconds_total" not in text
     finally:
         agent.stop()
 

@@ -55,9 +55,45 @@ release's own namespace; empty (all namespaces) only with rbac.clusterWide.
 {{- end -}}
 {{- end }}
 
+{{/*
+An image reference from {repository, tag, digest} (dict "image" . "default" TAG):
+repository@digest when a digest is set (it wins over the tag), else repository:tag.
+*/}}
+{{- define "rekindle.imageRef" -}}
+{{- $img := .image -}}
+{{- if $img.digest -}}
+{{- printf "%s@%s" $img.repository $img.digest -}}
+{{- else -}}
+{{- printf "%s:%s" $img.repository (default .default $img.tag) -}}
+{{- end -}}
+{{- end }}
+
+{{/* The operator's image reference (tag default: the chart's appVersion). */}}
+{{- define "rekindle.operatorImage" -}}
+{{- include "rekindle.imageRef" (dict "image" .Values.image "default" .Chart.AppVersion) -}}
+{{- end }}
+
+{{/* The runtimeImages with a repository, as references, a JSON list (cpu, then gpu). */}}
+{{- define "rekindle.runtimeImageRefs" -}}
+{{- $refs := list -}}
+{{- range $kind := list "cpu" "gpu" -}}
+{{- $img := get $.Values.runtimeImages $kind -}}
+{{- if and $img $img.repository -}}
+{{- $refs = append $refs (include "rekindle.imageRef" (dict "image" $img "default" $.Chart.AppVersion)) -}}
+{{- end -}}
+{{- end -}}
+{{- toJson $refs -}}
+{{- end }}
+
+{{/* The allow-list: runtimeImages, then allowedRuntimeImages, without repeats; a JSON list. */}}
+{{- define "rekindle.allowedImageList" -}}
+{{- $all := concat (include "rekindle.runtimeImageRefs" . | fromJsonArray) .Values.allowedRuntimeImages -}}
+{{- toJson (uniq $all) -}}
+{{- end }}
+
 {{/* The runtime images InferenceServices may use, one per line. */}}
 {{- define "rekindle.allowedImages" -}}
-{{- join "\n" .Values.allowedRuntimeImages -}}
+{{- join "\n" (include "rekindle.allowedImageList" . | fromJsonArray) -}}
 {{- end }}
 
 {{/* The namespaced permissions: exactly the objects the operator reads and writes. */}}

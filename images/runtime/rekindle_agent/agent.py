@@ -34,6 +34,7 @@ from rekindle_agent import (
     checkpoint,
     criu,
     fingerprint,
+    gpu_preflight,
     immutable,
     manifest_io,
     mmap_policy,
@@ -102,6 +103,10 @@ class Agent:
         with contextlib.suppress(OSError):
             reaper.become_subreaper()
         argv, env = vllm_command(cfg)
+        if cfg.device == "cuda":
+            # A privileged pod sees every GPU: pin vLLM to the allocated one by UUID.
+            env = gpu_preflight.pin_visible_devices(env)
+            self._warn_gpu(env)
         self.vllm = VllmProcess(
             argv,
             env,
@@ -121,6 +126,15 @@ class Agent:
         self.terminal = False  # the watchdog gave up: Failed until the container restarts
         self.flow_aborted = threading.Event()
 
+    def _warn_gpu(self, vllm_env: dict[str, str]) -> None:
+        """At start, say what would stop a GPU checkpoint (each one is refused until fixed)."""
+        cfg = self.cfg
+        pre = gpu_preflight.check(
+            cfg.criu_plugins, cfg.cuda_checkpoint, os.environ, vllm_env, cfg.tensor_parallel_size
+        )
+        if not pre.ok:
+            log.warning("%s: checkpoints and restores are refused until fixed", pre.message())
+
     # -- helpers used by the flows -------------------------------------------------
     def criu_info(self) -> criu.CriuInfo:
         return self.early.criu_info(self.cfg.criu)
@@ -132,6 +146,13 @@ class Agent:
                 fp = fingerprint.collect(
                     self.cfg.model, self.vllm.argv, self.cfg.device, self.vllm.env
                 )
+            if self.cfg.device == "cuda":
+                fp = {
+                    **fp,
+                    **fingerprint.cuda_facts(
+                        self.cfg.criu_plugins, self.cfg.cuda_checkpoint, os.environ
+                    ),
+                }
             self._fingerprint = fp
         return dict(self._fingerprint)
 
@@ -500,5 +521,6 @@ def setup_logging() -> None:
     logging.basicConfig(
         level=logging.INFO,
         stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        # `[agent]` beside vLLM's `[vllm]` lines (vllm_process) in `kubectl logs`.
+        format="[agent] %(asctime)s %(levelname)s %(name)s: %(message)s",
     )

@@ -34,6 +34,7 @@ from rekindle_agent import (
     __version__,
     criu,
     fingerprint,
+    gpu_preflight,
     io_uring,
     manifest_io,
     mmap_policy,
@@ -141,15 +142,22 @@ def checkpoint(
     cfg: AgentConfig,
     fp: dict[str, Any],
     key: bytes | None = None,
+    preflight_root: str = "/",
 ) -> Manifest:
     """Dump the running vLLM into ckpt; returns the manifest (signed with key, not yet verified).
 
     fp is the fingerprint of what runs (fingerprint.collect), recorded so a
-    restore can refuse an environment that differs. Raises CheckpointError.
+    restore can refuse an environment that differs. With device cuda the GPU
+    preflight runs first (gpu_preflight; preflight_root is where it reads
+    /proc, "/" but in tests) and its facts join the fingerprint. Raises
+    CheckpointError.
     """
     root = vllm.root_pid
     if root is None or not proctree.alive(root):
         raise CheckpointError("vLLM is not running", serving=False)
+    gpu = gpu_checks(cfg, vllm.env, preflight_root)
+    if gpu is not None:
+        fp = {**fp, **gpu.fingerprint()}
     phases: dict[str, float] = {}
     t = t_start = time.monotonic()
     images = ckpt / IMAGES_SUBDIR
@@ -187,6 +195,8 @@ def checkpoint(
 
     log = str(ckpt / DUMP_LOG)
     argv = criu.dump_argv(criu_info.binary, root, str(images), log, plugins=cfg.criu_plugins)
+    if gpu is not None:
+        argv = gpu_preflight.criu_env_argv(argv, gpu.cuda_checkpoint, os.environ.get("PATH"))
     try:
         res = vllm.reaper.run(argv, timeout=cfg.dump_timeout)
     except TimeoutError as e:
@@ -284,6 +294,26 @@ def checkpoint(
             reason=reason,
         ) from e
     return man
+
+
+def gpu_checks(
+    cfg: AgentConfig, vllm_env: dict[str, str], root: str = "/"
+) -> gpu_preflight.GpuFacts | None:
+    """The GPU preflight for device cuda (None on CPU); CheckpointError, vLLM still serving,
+    with every problem found when CRIU's CUDA plugin would not work."""
+    if cfg.device != "cuda":
+        return None
+    pre = gpu_preflight.check(
+        cfg.criu_plugins,
+        cfg.cuda_checkpoint,
+        os.environ,
+        vllm_env,
+        cfg.tensor_parallel_size,
+        root=root,
+    )
+    if not pre.ok:
+        raise CheckpointError(pre.message(), serving=True, reason="unsupported")
+    return pre.facts
 
 
 def _release(control: VllmControl, weights_dir: Path) -> tuple[dict[str, Any], dict[str, float]]:

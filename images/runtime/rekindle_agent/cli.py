@@ -81,6 +81,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rm.add_argument("paths", nargs="+", metavar="DIR")
     rm.set_defaults(func=remove_checkpoint)
+    fetch = sub.add_parser(
+        "fetch-model",
+        help="download a Hugging Face model into a shared cache (the pod's init container); "
+        "a revision already there is not downloaded again",
+    )
+    from rekindle_agent import model_fetch
+
+    model_fetch.add_arguments(fetch)
+    fetch.set_defaults(func=model_fetch.run)
     return parser
 
 

@@ -30,6 +30,8 @@ from typing import Any
 
 from rekindle_contract.pod import IMAGE_ENV
 
+from rekindle_agent import gpu_preflight
+
 # Keys compared for equality; anything else in the fingerprint is informational.
 STRICT_KEYS = (
     "vllm",
@@ -44,7 +46,14 @@ STRICT_KEYS = (
     "image",
     "python_env",
     "env_digest",
+    # device cuda only (cuda_facts): CRIU's CUDA plugin (sha256 of cuda_plugin.so) and
+    # cuda-checkpoint's version, which both read and write the GPU state in the images.
+    "cuda_checkpoint",
+    "cuda_plugin",
 )
+# Informational: the allocated GPU's UUID (gpu_uuid). cuda-checkpoint restores
+# onto another GPU of the same model (the strict "gpu" key), so a checkpoint is
+# not tied to one physical device; the UUID says where it was made.
 # Environment variables that shape vLLM's process (vLLM, torch, CUDA, NCCL,
 # OpenMP, HF, the loader, Python): their names and values are hashed into
 # the fingerprint; env_names (informative) lists the names.
@@ -225,6 +234,22 @@ def collect(
         "env_digest": env_digest(env),
         "env_names": sorted(relevant_env(env)),
     }
+
+
+def cuda_facts(
+    plugins_dir: str | None, cuda_checkpoint: str, env: Mapping[str, str]
+) -> dict[str, Any]:
+    """gpu_uuid, cuda_checkpoint and cuda_plugin for device cuda (None where unknown).
+
+    env is the agent's environment (NVIDIA_VISIBLE_DEVICES names the allocated
+    GPU). A missing part is None here; the GPU preflight refuses to checkpoint
+    or restore without it, so two Nones never let a restore through.
+    """
+    pre = gpu_preflight.check(plugins_dir, cuda_checkpoint, env, env, 1)
+    out = pre.facts.fingerprint()
+    uuids = [d for d in gpu_preflight.allocated_devices(env) if d.startswith(("GPU-", "MIG-"))]
+    out["gpu_uuid"] = ",".join(uuids) or None
+    return out
 
 
 def environment(criu_version: str | None) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from rekindle_contract.manifest import (
 from rekindle_agent import (
     criu,
     fingerprint,
+    gpu_preflight,
     manifest_io,
     mmap_policy,
     prefetch,
@@ -203,6 +204,10 @@ def restore(
                 deadline,
             )
             t = mark("checksums", t)
+        elif pre is not None and cfg.device == "cuda":
+            # Everything, before CRIU: a GPU tree runs as soon as CRIU is done (below).
+            phases["prefetch_total"] = _checked(pre, deadline)
+            t = mark("verify_all", t)
         elif pre is not None:
             # What CRIU parses, before it does.
             _checked(pre, deadline, prefetch.critical_paths(files))
@@ -233,8 +238,26 @@ def restore(
             pidfile,
             mmap=decision.use,
             plugins=cfg.criu_plugins,
-            stopped=True,
+            # CRIU 4.2.1's CUDA plugin hangs in its late resume hook when the tasks
+            # are left stopped (tests/criu/test_cuda_plugin.py): on GPU the tree runs
+            # at once, and every file was checked above instead.
+            stopped=cfg.device != "cuda",
         )
+        if cfg.device == "cuda":
+            # The same preflight as a GPU checkpoint: CRIU's CUDA plugin would turn
+            # itself off silently and the restored tree would have no GPU state.
+            gpu = gpu_preflight.check(
+                cfg.criu_plugins,
+                cfg.cuda_checkpoint,
+                os.environ,
+                vllm.env,
+                cfg.tensor_parallel_size,
+            )
+            if not gpu.ok:
+                raise RestoreError("criu_restore_failed", gpu.message())
+            argv = gpu_preflight.criu_env_argv(
+                argv, gpu.facts.cuda_checkpoint, os.environ.get("PATH")
+            )
         try:
             res = vllm.reaper.run(argv, timeout=cfg.restore_timeout)
         except TimeoutError as e:
@@ -253,7 +276,7 @@ def restore(
         vllm.adopt(restored_root)
         t = mark("criu_restore", t)
 
-        if pre is not None:
+        if pre is not None and cfg.device != "cuda":
             # The memory pages and the weights: the tree is still stopped.
             phases["prefetch_total"] = _checked(pre, deadline)
             t = mark("prefetch_wait", t)

@@ -36,6 +36,7 @@ from rekindle_agent.config import ConfigError, admin_tls_context
 log = logging.getLogger("rekindle.server")
 RETRY_AFTER_S = "2"
 CONNECT_TIMEOUT_S = 10.0
+VLLM_METRICS_TIMEOUT_S = 2.0
 # How often the admin port looks for a renewed certificate (cert-manager renews
 # the Secret, the kubelet swaps the mounted files within a minute or so).
 CERT_CHECK_S = 60.0
@@ -243,8 +244,48 @@ async def status(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body = request.app[AGENT_KEY].metrics.render()
+    """The agent's metrics, then vLLM's own `vllm:*` families when it is serving.
+
+    vLLM listens on loopback only, so this is the one place a scraper sees them.
+    """
+    body = request.app[AGENT_KEY].metrics.render() + await vllm_metrics(request.app[PROXY_KEY])
     return web.Response(body=body, content_type="text/plain", charset="utf-8")
+
+
+async def vllm_metrics(proxy: Proxy) -> bytes:
+    """vLLM's /metrics, counted as an in-flight request so a checkpoint drains it.
+
+    Empty when vLLM is not serving (restoring, checkpointing) or does not answer:
+    the agent's own metrics must never wait on, or fail with, vLLM's.
+    """
+    if proxy.admit() is not None:
+        return b""
+    try:
+        async with proxy.client().get(
+            proxy.agent.vllm_url + "/metrics",
+            # The proxy's session never decompresses: ask for plain text.
+            headers={"Accept-Encoding": "identity"},
+            timeout=ClientTimeout(total=VLLM_METRICS_TIMEOUT_S),
+        ) as resp:
+            if resp.status != 200:
+                return b""
+            return only_vllm_families(await resp.read())
+    except (ClientError, TimeoutError):
+        return b""
+    finally:
+        proxy.release()
+
+
+def only_vllm_families(text: bytes) -> bytes:
+    """Keep vLLM's `vllm:` families; drop its process_/python_ ones, which would
+    clash with the agent's own registry's names in one exposition."""
+    kept = []
+    for line in text.splitlines(keepends=True):
+        words = line.split()
+        name = words[2] if line.startswith(b"#") and len(words) > 2 else line
+        if name.startswith(b"vllm:"):
+            kept.append(line)
+    return b"".join(kept)
 
 
 async def post_checkpoint(request: web.Request) -> web.Response:

@@ -61,6 +61,19 @@ class VllmControl:
             raise VllmCallError(path, None, str(e)) from e
         return json.loads(raw) if raw else None
 
+    def _expect_awake(self) -> None:
+        """GET /is_sleeping must say false once every tag has been woken."""
+        self.calls.append("GET /is_sleeping")
+        try:
+            with urllib.request.urlopen(self.base_url + "/is_sleeping", timeout=30) as resp:
+                doc = json.loads(resp.read() or b"{}")
+        except urllib.error.HTTPError as e:
+            raise VllmCallError("/is_sleeping", e.code, e.read().decode(errors="replace")) from e
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            raise VllmCallError("/is_sleeping", None, str(e)) from e
+        if doc.get("is_sleeping") is not False:
+            raise VllmCallError("/is_sleeping", 200, f"vLLM still sleeps after waking: {doc}")
+
     def rpc(self, method: str, *args: str, **kwargs: object) -> Any:
         body: dict[str, object] = {"method": method, "args": list(args)}
         if kwargs:
@@ -74,7 +87,7 @@ class VllmControl:
     def release_weights(self) -> None:
         """Free weights and KV cache (level-2 sleep on GPU, the extension on CPU)."""
         if self.device == "cuda":
-            self._post("/sleep?level=2")
+            expect_status(self._post("/sleep?level=2"), "/sleep?level=2", "sleeping")
         else:
             self.rpc(RELEASE_WEIGHTS)
 
@@ -106,7 +119,11 @@ class VllmControl:
         else:
             self.rpc(RELOAD_WEIGHTS, weights_dir, verify=False)
         if self.device == "cuda":
-            self._post("/wake_up?tags=kv_cache")
+            # Every tag is resident again only now: vLLM says "awake", not "sleeping".
+            woke = self._post("/wake_up?tags=kv_cache")
+            expect_status(woke, "/wake_up?tags=kv_cache", "awake")
+            if not (isinstance(woke, dict) and "status" in woke):
+                self._expect_awake()  # vLLM before 0.31 answers an empty 200: ask
         self._post("/reset_prefix_cache")
         t["reload_weights"] = time.monotonic() - t0
         return t
@@ -122,6 +139,13 @@ class VllmControl:
             {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0},
         )
         return str(out["choices"][0]["text"])
+
+
+def expect_status(doc: Any, what: str, want: str) -> None:
+    """vLLM's sleep routes answer {"status": ...} (older versions: an empty 200, accepted);
+    any other status means the state change did not happen."""
+    if isinstance(doc, dict) and "status" in doc and doc["status"] != want:
+        raise VllmCallError(what, 200, f"vLLM answered status {doc['status']!r}, not {want!r}")
 
 
 def wait_health(base_url: str, timeout: float, alive: Callable[[], bool] | None = None) -> float:

@@ -8,9 +8,12 @@ WORKER_EXTENSION; the agent's vLLM command line has it) and
 Every method returns a JSON-serializable dict. The interface (names in
 rekindle_contract.rpc):
 
-- `rekindle_dump_weights(dir) -> {"rank", "bytes", "seconds", "tensors", ...}`
+- `rekindle_dump_weights(dir) -> {"rank", "bytes", "seconds", "tensors", "coverage", ...}`
   writes `dir/weights-rank{R}.bin` and `dir/weights-rank{R}.json` (rekindle_weights.format):
-  every parameter and buffer exactly as it sits in the loaded model.
+  every parameter and buffer exactly as it sits in the loaded model. It first
+  checks that they cover all the memory a release frees (rekindle_weights.dump.coverage:
+  whole storages on every device; on CUDA also every live block of vLLM's
+  "weights" memory) and refuses, naming the gap, when they do not.
 - `rekindle_release_weights() -> {"rank", "freed_bytes", ...}` drops the weights'
   and the KV cache's memory. On CPU this is real work (vLLM's sleep is a no-op
   there): every storage is shrunk to 0 bytes (the Parameter objects and their
@@ -52,7 +55,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rekindle_weights import format as fmt
-from rekindle_weights.dump import dump_tensors
+from rekindle_weights.dump import coverage, dump_tensors
 from rekindle_weights.reload import (
     ReloadOptions,
     load_into,
@@ -181,6 +184,38 @@ def _kv_cache_tensors(runner: Any) -> list[torch.Tensor]:
     return tensors
 
 
+def _weight_pool_blocks() -> list[tuple[int, int]] | None:
+    """(address, bytes) of every live PyTorch block inside vLLM's "weights" memory (CUDA).
+
+    vLLM's sleep mode allocates through its CuMem allocator, which tags each
+    allocation; level 2 discards those tagged "weights". PyTorch's snapshot
+    lists the live blocks carved out of them, by their requested size (the
+    allocator rounds blocks up). None when that allocator is not in use
+    (nothing is discarded then). Not yet run on a GPU (docs/gpu.md).
+    """
+    try:
+        import torch
+        from vllm.device_allocator.cumem import CuMemAllocator
+    except ImportError:
+        return None
+    pools = [
+        (int(ptr), int(data.handle[1]))
+        for ptr, data in CuMemAllocator.get_instance().pointer_to_data.items()
+        if data.tag == "weights"
+    ]
+    if not pools:
+        return None
+    blocks = []
+    for seg in torch.cuda.memory_snapshot():
+        for b in seg.get("blocks", []):
+            if b.get("state") != "active_allocated":
+                continue
+            addr = int(b["address"])
+            if any(a <= addr < a + n for a, n in pools):
+                blocks.append((addr, int(b.get("requested_size") or b["size"])))
+    return blocks
+
+
 @dataclass
 class _Released:
     """What release freed, so reload can re-allocate exactly that."""
@@ -247,8 +282,16 @@ class RekindleWorkerExtension:
         if self._rekindle_state() is not None:
             raise RuntimeError("weights are released: reload them before dumping")
         self._rekindle_check_not_removed()
-        res = dump_tensors(model_tensors(self._rekindle_model()), directory, int(self.rank))
-        return res.to_json()
+        tensors = list(model_tensors(self._rekindle_model()))
+        live = _weight_pool_blocks() if self.device.type == "cuda" else None
+        cov = coverage(tensors, live)
+        if not cov.complete:
+            raise RuntimeError(
+                "the weight dump would not hold every byte the release frees: "
+                + "; ".join(cov.problems)
+            )
+        res = dump_tensors(tensors, directory, int(self.rank))
+        return {**res.to_json(), "coverage": cov.to_json()}
 
     def _rekindle_check_not_removed(self) -> None:
         """Refuse models whose CPU linear weights live only in packed handlers."""

@@ -8,10 +8,12 @@ see the same argv.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+from collections.abc import Mapping
 
 from rekindle_contract.rpc import WORKER_EXTENSION
-from rekindle_contract.vllm_argv import VllmOptions, vllm_argv
+from rekindle_contract.vllm_argv import MM_AUTO_ENV, VllmOptions, takes_images, vllm_argv
 
 from rekindle_agent.config import AgentConfig
 
@@ -32,7 +34,33 @@ def resolve_worker_extension(value: str) -> str | None:
     return WORKER_EXTENSION if found else None
 
 
-def vllm_options(cfg: AgentConfig) -> VllmOptions:
+def model_config(model: str) -> dict[str, object] | None:
+    """The model directory's config.json, or None when it is not a readable directory."""
+    try:
+        with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def keep_mm_cache(model: str, env: Mapping[str, str]) -> bool:
+    """Whether the shared-memory multimodal cache stays on for this model.
+
+    Only asked when the operator left the choice to the agent (MM_AUTO_ENV=1,
+    spec.multimodal.enabled unset): on for a model whose config.json says it
+    takes images, off for a text model (it would never use the cache); on when
+    the config cannot be read (the operator sized /dev/shm for it, and vLLM
+    runs fine with an unused cache).
+    """
+    if env.get(MM_AUTO_ENV) != "1":
+        return True
+    config = model_config(model)
+    return config is None or takes_images(config)
+
+
+def vllm_options(cfg: AgentConfig, env: Mapping[str, str] | None = None) -> VllmOptions:
+    mm = keep_mm_cache(cfg.model, os.environ if env is None else env)
     return VllmOptions(
         model=cfg.model,
         served_name=cfg.served_name,
@@ -42,8 +70,8 @@ def vllm_options(cfg: AgentConfig) -> VllmOptions:
         max_model_len=cfg.max_model_len,
         tensor_parallel_size=cfg.tensor_parallel_size,
         worker_extension=resolve_worker_extension(cfg.worker_extension),
-        mm_shm_cache_gb=cfg.mm_shm_cache_gb,
-        mm_shm_max_object_mb=cfg.mm_shm_max_object_mb,
+        mm_shm_cache_gb=cfg.mm_shm_cache_gb if mm else None,
+        mm_shm_max_object_mb=cfg.mm_shm_max_object_mb if mm else None,
         prefix_caching=cfg.prefix_caching,
         kv_offload_gb=cfg.kv_offload_gb,
         extra_args=tuple(cfg.vllm_args),

@@ -10,14 +10,117 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Sequence
 
 from rekindle_agent import proctree, seccomp, shm_files
 from rekindle_agent.reaper import Reaper
 
+# Each line vLLM writes reaches the agent's stdout (so `kubectl logs`) behind this tag.
+LOG_TAG = b"[vllm] "
+MAX_LINE = 16384  # a longer run without a newline is passed on in pieces
+POLL_S = 0.2
+
+
+class LogFollower:
+    """Copies the lines vLLM appends to its log file to the agent's stdout, tagged.
+
+    Why a file followed by the agent rather than a pipe to the agent: the file
+    is part of the checkpoint (CRIU reopens it by path in the restored tree and
+    the restore recreates it first), so a restored vLLM writes to the same
+    place as a booted one with nothing to pass to CRIU, and the dumped tree
+    holds no descriptor that leads outside it. The agent keeps reading the
+    file itself too (its path is in error messages and in the checkpoint).
+    """
+
+    def __init__(self, path: str, out_fd: int = 1, poll_s: float = POLL_S) -> None:
+        self.path = path
+        self.out_fd = out_fd
+        self.poll_s = poll_s
+        self._lock = threading.Lock()
+        self._restart_at: int | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def follow_from_end(self) -> None:
+        """From now on pass on what is appended after the file's current end.
+
+        Called before a tree writes to the file (a spawn, or a restored tree
+        still stopped), so nothing it writes is missed and nothing older is
+        repeated (a restored log holds the checkpointed pod's lines).
+        """
+        try:
+            size = os.stat(self.path).st_size
+        except FileNotFoundError:
+            size = 0
+        with self._lock:
+            self._restart_at = size
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="vllm-log", daemon=True)
+                self._thread.start()
+
+    def stop(self) -> None:
+        """Pass on what is left (a last partial line too) and end the thread."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _emit(self, line: bytes) -> None:
+        # A progress bar redraws with \r: keep what a terminal would show last.
+        line = line.rstrip(b"\r").rsplit(b"\r", 1)[-1]
+        with contextlib.suppress(OSError):
+            os.write(self.out_fd, LOG_TAG + line + b"\n")
+
+    def _reopen(self, offset: int, old: int | None) -> int | None:
+        if old is not None:
+            os.close(old)
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        os.lseek(fd, offset, os.SEEK_SET)
+        return fd
+
+    def _run(self) -> None:
+        fd: int | None = None
+        pending = b""
+        while True:
+            with self._lock:
+                restart, self._restart_at = self._restart_at, None
+            if restart is not None:
+                if pending:
+                    self._emit(pending)
+                    pending = b""
+                fd = self._reopen(restart, fd)
+                if fd is None:  # not created yet: try again at the next poll
+                    with self._lock:
+                        if self._restart_at is None:
+                            self._restart_at = restart
+            chunk = os.read(fd, 1 << 16) if fd is not None else b""
+            if chunk:
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                for line in lines:
+                    self._emit(line)
+                while len(pending) > MAX_LINE:
+                    self._emit(pending[:MAX_LINE])
+                    pending = pending[MAX_LINE:]
+                continue
+            if self._stop.is_set():
+                break
+            self._stop.wait(self.poll_s)
+        if pending:
+            self._emit(pending)
+        if fd is not None:
+            os.close(fd)
+
 
 class VllmProcess:
-    """argv and env of vLLM, where it logs, and the root PID of its live tree (or None)."""
+    """argv and env of vLLM, where it logs, and the root PID of its live tree (or None).
+
+    vLLM's stdout and stderr go to log_path; with echo_fd (the agent's stdout by
+    default) every line of it is also passed on there, tagged `[vllm] `.
+    """
 
     def __init__(
         self,
@@ -26,6 +129,7 @@ class VllmProcess:
         log_path: str,
         reaper: Reaper,
         seccomp_io_uring: bool = True,
+        echo_fd: int | None = 1,
     ) -> None:
         self.argv = list(argv)
         self.env = env
@@ -33,11 +137,14 @@ class VllmProcess:
         self.reaper = reaper
         self.seccomp_io_uring = seccomp_io_uring
         self.root_pid: int | None = None
+        self.log_follower = LogFollower(log_path, echo_fd) if echo_fd is not None else None
 
     def spawn(self) -> int:
         """Start vLLM in its own session, output appended to the log; returns the root PID."""
         argv = seccomp.wrap(self.argv) if self.seccomp_io_uring else list(self.argv)
         fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        if self.log_follower is not None:
+            self.log_follower.follow_from_end()
         try:
             pid = self.reaper.spawn(argv, env=self.env, stdout=fd, stderr=fd)
         finally:
@@ -46,8 +153,13 @@ class VllmProcess:
         return pid
 
     def adopt(self, pid: int) -> None:
-        """A tree CRIU restored (its root is now the agent's child) becomes the live one."""
+        """A tree CRIU restored (its root is now the agent's child) becomes the live one.
+
+        Called while the tree is still stopped: its log lines are followed from here.
+        """
         self.root_pid = pid
+        if self.log_follower is not None:
+            self.log_follower.follow_from_end()
 
     def alive(self) -> bool:
         return self.root_pid is not None and proctree.alive(self.root_pid)

@@ -305,6 +305,8 @@ class HostCopyEngine:
 class CudaCopyEngine:
     """Asynchronous host-to-device copies, one CUDA stream per reader thread."""
 
+    page_aligned = True  # pinned buffers come page-aligned from the driver (staging_buffer)
+
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._local = threading.local()
@@ -355,6 +357,24 @@ def _aligned(raw: torch.Tensor, nbytes: int) -> torch.Tensor:
     return raw[skip : skip + nbytes]
 
 
+def staging_buffer(engine: CopyEngine, nbytes: int) -> torch.Tensor:
+    """A page-aligned staging buffer of exactly nbytes.
+
+    Pinned memory comes page-aligned from the driver (engines that say so
+    with page_aligned), so the exact size is asked first: asking nbytes plus
+    a page to align by hand would make PyTorch's pinned allocator, which
+    rounds every request up to a power of two, hand out twice the memory
+    (16 MiB + 4 KiB -> 32 MiB). Other engines' memory (plain host
+    allocations) is asked with a page to spare and aligned by hand.
+    """
+    if getattr(engine, "page_aligned", False):
+        raw = engine.alloc(nbytes)
+        if raw.data_ptr() % fmt.ALIGN == 0:
+            return raw[:nbytes]
+        del raw
+    return _aligned(engine.alloc(nbytes + fmt.ALIGN), nbytes)
+
+
 @dataclass
 class _Slot:
     buf: torch.Tensor | None = None  # allocated by the first reader that uses it
@@ -368,28 +388,55 @@ _POOL_LOCK = threading.Lock()
 
 
 def release_staging_buffers() -> int:
-    """Free the staging buffers kept for the next reload; returns their bytes."""
+    """Free the staging buffers kept for the next reload; returns their bytes.
+
+    Dropping the tensors is not enough for pinned memory: PyTorch's caching
+    host allocator keeps freed pinned blocks for reuse, so the server's RSS
+    (and a later checkpoint's image) would still hold them. The cache is
+    emptied too (empty_pinned_host_cache).
+    """
     with _POOL_LOCK:
         freed = sum(b.numel() for bufs in _POOL.values() for b in bufs)
         _POOL.clear()
+    empty_pinned_host_cache()
     return int(freed)
+
+
+def empty_pinned_host_cache() -> bool:
+    """Return PyTorch's cached, unused pinned host blocks to the driver; whether it ran.
+
+    Only where CUDA is initialised in this process (nothing is pinned
+    otherwise); torch._C._host_emptyCache exists in the PyTorch versions vLLM
+    uses, and its absence is not an error.
+    """
+    try:
+        import torch
+    except ImportError:
+        return False
+    empty = getattr(torch._C, "_host_emptyCache", None)
+    if empty is None or not torch.cuda.is_initialized():
+        return False
+    empty()
+    return True
 
 
 @dataclass
 class _Targets:
-    """Where each index entry's bytes go: the tensor itself, or a dense stand-in."""
+    """Where each index entry's bytes go: the dense tensors themselves.
+
+    Non-contiguous tensors (rare: vLLM's are dense) cannot be read into in
+    place; load_into fills each through a dense stand-in of its own, one at a
+    time, so at most one stand-in is alive: the peak is the largest such
+    tensor, not their sum.
+    """
 
     tensors: list[torch.Tensor]
     dests: list[torch.Tensor] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.dests = [t if is_dense(t) else t.contiguous() for t in self.tensors]
-
-    def write_back(self) -> None:
-        """Copy the stand-ins of non-contiguous tensors into them (rare: vLLM's are dense)."""
-        for t, d in zip(self.tensors, self.dests, strict=True):
-            if d is not t:
-                t.copy_(d)
+        if not all(is_dense(t) for t in self.tensors):
+            raise ValueError("_Targets holds dense tensors only")
+        self.dests = list(self.tensors)
 
 
 def _open(path: str, direct: bool) -> tuple[int, bool]:
@@ -437,11 +484,14 @@ def _staged_reload(
 ) -> bool:
     """Read into a ring of staging buffers and copy from there; returns whether O_DIRECT ran."""
     chunks = plan_chunks(index.tensors, chunk, pack=True)
+    # Sized to need: a buffer is as big as the largest read (a small model's reads
+    # are small), and there are never more buffers than reads.
     buf_bytes = fmt.align_up(max((c.length for c in chunks), default=fmt.ALIGN))
     key = (type(engine).__name__, buf_bytes)
     with _POOL_LOCK:
         kept = _POOL.pop(key, [])
-    all_slots = [_Slot(kept.pop() if kept else None) for _ in range(max(buffers, threads))]
+    ring = min(max(buffers, threads), max(1, len(chunks)))
+    all_slots = [_Slot(kept.pop() if kept else None) for _ in range(ring)]
     slots = queue.SimpleQueue[_Slot]()
     for sl in all_slots:
         slots.put(sl)
@@ -456,7 +506,7 @@ def _staged_reload(
                 engine.wait(slot.fence)  # the copy out of this buffer must be done
                 slot.fence = None
                 if slot.buf is None:  # allocated here, overlapping other readers' reads
-                    slot.buf = _aligned(engine.alloc(buf_bytes + fmt.ALIGN), buf_bytes)
+                    slot.buf = staging_buffer(engine, buf_bytes)
                 buf = slot.buf
                 span = fmt.align_up(c.length) if used_direct else c.length
                 mv = host_bytes(buf)[:span]
@@ -486,6 +536,19 @@ def _staged_reload(
     return used_direct
 
 
+def _sub_index(index: fmt.WeightIndex, positions: list[int]) -> fmt.WeightIndex:
+    """The index restricted to some entries (their file offsets unchanged)."""
+    if len(positions) == len(index.tensors):
+        return index
+    return fmt.WeightIndex(
+        rank=index.rank,
+        tensors=tuple(index.tensors[i] for i in positions),
+        file_bytes=index.file_bytes,
+        align=index.align,
+        block_bytes=index.block_bytes,
+    )
+
+
 def _engine_for(tensors: Iterable[torch.Tensor]) -> CopyEngine:
     devices = {t.device for t in tensors if t.device.type != "cpu"}
     if not devices:
@@ -507,8 +570,7 @@ def load_into(
     t0 = time.perf_counter()
     path = str(data_file)
     threads = opts.resolved_threads()
-    targets = _Targets(list(tensors))
-    engine = engine or _engine_for(targets.tensors)
+    engine = engine or _engine_for(tensors)
     staged = opts.staged
     if staged is None:
         staged = opts.direct or not isinstance(engine, HostCopyEngine)
@@ -517,15 +579,26 @@ def load_into(
     if opts.verify:
         # Pieces must start on checksum-block boundaries to be checked on their own.
         chunk = max(index.block_bytes, chunk // index.block_bytes * index.block_bytes)
-    used_direct = False
-    if staged:
-        buffers = opts.buffers if opts.buffers is not None else 2 * threads
-        used_direct = _staged_reload(
-            index, path, targets, engine, threads, chunk, buffers, opts.verify, opts.direct
-        )
-    else:
-        _host_reload(index, path, targets, threads, chunk, opts.verify)
-    targets.write_back()
+    buffers = opts.buffers if opts.buffers is not None else 2 * threads
+
+    def fill(positions: list[int], dests: list[torch.Tensor]) -> bool:
+        """Load the index entries at positions into dests (dense); whether O_DIRECT ran."""
+        sub = _sub_index(index, positions)
+        targets = _Targets(dests)
+        if staged:
+            return _staged_reload(
+                sub, path, targets, engine, threads, chunk, buffers, opts.verify, opts.direct
+            )
+        _host_reload(sub, path, targets, threads, chunk, opts.verify)
+        return False
+
+    dense = [i for i, t in enumerate(tensors) if is_dense(t)]
+    used_direct = fill(dense, [tensors[i] for i in dense]) if dense else False
+    for i in (i for i, t in enumerate(tensors) if not is_dense(t)):
+        stand_in = tensors[i].new_empty(tensors[i].shape)  # dense, one at a time
+        used_direct = fill([i], [stand_in]) or used_direct
+        tensors[i].copy_(stand_in)
+        del stand_in
     return ReloadResult(
         rank=index.rank,
         bytes=index.data_bytes,

@@ -1,0 +1,218 @@
+"""Models that are not in the image, served for real on the local cluster.
+
+The project's tiny model is generated into a directory on the node (this
+machine), then served by one InferenceService at a time (replicas 1):
+
+- from a PVC: a hostPath-backed PersistentVolume bound to a claim in the
+  test's namespace, the model in a subPath of it;
+- from a node path (spec.model.hostPath);
+- from "the hub": a stand-in hub (tests/fake_hub.py) on this machine's node
+  address, the token in a Secret; the init container downloads into the
+  node's cache and vLLM serves from there.
+
+Each checks the pod mounts the model read-only, vLLM loads it from the
+mount, and a completion comes back through the Service.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rekindle_contract.model_cache import MODEL_CACHE_MOUNT, MODEL_MOUNT, model_path
+from rekindle_dev.models import TinyModelSpec, generate_tiny_model
+
+from tests.cluster.cluster_tools import kubectl, kubectl_json, wait_until
+from tests.cluster.operator_fixtures import (
+    apply,
+    http_json,
+    isvc_manifest,
+    op_namespace,
+    operator,
+    pods_of,
+    require_runtime_image,
+    service_url,
+    wait_status,
+)
+from tests.fake_hub import repo_commit, serve
+
+__all__ = ["op_namespace", "operator"]  # fixtures used by name
+
+pytestmark = pytest.mark.cluster
+TOKEN = "hf_rekindle_test_token_5f2c"
+
+
+@pytest.fixture(scope="module")
+def node_dir(op_namespace: str) -> Iterator[Path]:
+    """A directory on the node (this machine) holding the tiny model under tiny/."""
+    root = Path(f"/var/lib/rekindle/test-models-{op_namespace}")
+    generate_tiny_model(root / "tiny", TinyModelSpec())
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def serve_and_check(ns: str, name: str, model: dict[str, Any], host_dir: Path) -> dict[str, Any]:
+    """Apply one InferenceService with model, wait for it to serve, complete once; its pod."""
+    require_runtime_image()
+    doc = isvc_manifest(name, str(host_dir / "checkpoints"))
+    doc["spec"]["model"] = {"servedName": name, **model}
+    r = apply(doc, ns)
+    assert r.returncode == 0, r.stderr
+
+    def ready(o: dict[str, Any]) -> bool:
+        st = o.get("status") or {}
+        return st.get("phase") == "Ready" and (st.get("readyReplicas") or 0) == 1
+
+    wait_status("rkis", name, ns, "1 replica Ready", ready, 600)
+    (pod,) = pods_of(name, ns)
+    url = service_url(name, ns)
+    out = http_json(
+        f"{url}/v1/completions",
+        {"model": name, "prompt": "Hello, my name is", "max_tokens": 4, "temperature": 0.0},
+    )
+    assert out["choices"][0]["text"]
+    return pod
+
+
+def exec_in(ns: str, pod: dict[str, Any], *cmd: str) -> Any:
+    return kubectl("exec", "-n", ns, pod["metadata"]["name"], "-c", "vllm", "--", *cmd, check=False)
+
+
+def vllm_model_arg(ns: str, pod: dict[str, Any]) -> str:
+    """The --model vLLM runs with, from the process table inside the pod."""
+    ps = exec_in(ns, pod, "sh", "-c", "cat /proc/[0-9]*/cmdline | tr '\\0' ' '")
+    words = ps.stdout.split()
+    models = [words[i + 1] for i, w in enumerate(words[:-1]) if w == "--model"]
+    assert models, f"no --model in the pod's processes: {ps.stdout[:2000]}"
+    return models[-1]
+
+
+def delete_isvc(ns: str, name: str) -> None:
+    kubectl("delete", "rkis", name, "-n", ns, "--timeout=120s", check=False)
+    wait_until(f"{name}'s pods gone", lambda: not pods_of(name, ns), 180)
+
+
+def test_model_on_a_pvc_serves_from_it(operator: Any, op_namespace: str, node_dir: Path) -> None:
+    ns, pv = op_namespace, f"{op_namespace}-models"
+    kubectl(
+        "apply",
+        "-f",
+        "-",
+        input=json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "PersistentVolume",
+                "metadata": {"name": pv},
+                "spec": {
+                    "capacity": {"storage": "1Gi"},
+                    "accessModes": ["ReadWriteOnce"],
+                    "storageClassName": "",
+                    "persistentVolumeReclaimPolicy": "Retain",
+                    "hostPath": {"path": str(node_dir), "type": "Directory"},
+                    "claimRef": {"namespace": ns, "name": "models"},
+                },
+            }
+        ),
+    )
+    try:
+        r = apply(
+            {
+                "apiVersion": "v1",
+                "kind": "PersistentVolumeClaim",
+                "metadata": {"name": "models"},
+                "spec": {
+                    "accessModes": ["ReadWriteOnce"],
+                    "storageClassName": "",
+                    "volumeName": pv,
+                    "resources": {"requests": {"storage": "1Gi"}},
+                },
+            },
+            ns,
+        )
+        assert r.returncode == 0, r.stderr
+        pod = serve_and_check(
+            ns, "onpvc", {"pvc": {"claimName": "models", "subPath": "tiny"}}, node_dir
+        )
+        vol = next(v for v in pod["spec"]["volumes"] if v["name"] == "model")
+        assert vol["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
+        assert vllm_model_arg(ns, pod) == MODEL_MOUNT
+        # The subPath's content, read-only.
+        assert "model.safetensors" in exec_in(ns, pod, "ls", MODEL_MOUNT).stdout
+        touch = exec_in(ns, pod, "touch", f"{MODEL_MOUNT}/x")
+        assert touch.returncode != 0 and "Read-only file system" in touch.stderr
+        delete_isvc(ns, "onpvc")
+    finally:
+        kubectl("delete", "pvc", "models", "-n", ns, "--wait=false", check=False)
+        kubectl("delete", "pv", pv, "--wait=false", check=False)
+
+
+def test_model_on_a_node_path_serves_from_it(
+    operator: Any, op_namespace: str, node_dir: Path
+) -> None:
+    ns = op_namespace
+    pod = serve_and_check(ns, "onnode", {"hostPath": {"path": str(node_dir / "tiny")}}, node_dir)
+    vol = next(v for v in pod["spec"]["volumes"] if v["name"] == "model")
+    assert vol["hostPath"] == {"path": str(node_dir / "tiny"), "type": "Directory"}
+    assert vllm_model_arg(ns, pod) == MODEL_MOUNT
+    touch = exec_in(ns, pod, "touch", f"{MODEL_MOUNT}/x")
+    assert touch.returncode != 0 and "Read-only file system" in touch.stderr
+    delete_isvc(ns, "onnode")
+
+
+def node_address() -> str:
+    node = kubectl_json("get", "nodes")["items"][0]
+    return next(a["address"] for a in node["status"]["addresses"] if a["type"] == "InternalIP")
+
+
+def test_hugging_face_model_is_fetched_by_the_init_container_then_served(
+    operator: Any, op_namespace: str, node_dir: Path
+) -> None:
+    """The init container downloads from a stand-in hub (on this machine's node address,
+    the token from a Secret) into the node's cache; vLLM serves from the cache."""
+    ns = op_namespace
+    hub_root = node_dir / "hub"
+    (hub_root / "rekindle").mkdir(parents=True)
+    shutil.copytree(node_dir / "tiny", hub_root / "rekindle" / "tiny")
+    commit = repo_commit(hub_root / "rekindle" / "tiny")
+    cache = node_dir / "hf-cache"
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "hf-token"},
+        "data": {"HF_TOKEN": base64.b64encode(TOKEN.encode()).decode()},
+    }
+    assert apply(secret, ns).returncode == 0
+    with serve(hub_root, token=TOKEN, host=node_address()) as hub:
+        model = {
+            "huggingFace": {
+                "id": "rekindle/tiny",
+                "tokenSecretRef": {"name": "hf-token"},
+                "endpoint": hub.url,
+                "cache": {"hostPath": {"path": str(cache)}},
+            },
+            "revision": "main",
+        }
+        pod = serve_and_check(ns, "onhub", model, node_dir)
+        downloads = hub.downloads()
+    (init,) = pod["spec"]["initContainers"]
+    assert init["name"] == "fetch-model"
+    token_env = next(e for e in init["env"] if e["name"] == "HF_TOKEN")
+    assert token_env["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "HF_TOKEN"}
+    assert all(TOKEN not in str(c) for c in pod["spec"]["containers"])
+    # Each file came from the hub once, with the token; the node's cache holds the commit.
+    assert sorted(downloads) == sorted(
+        f"/rekindle/tiny/resolve/{commit}/{p.name}" for p in (node_dir / "tiny").iterdir()
+    )
+    assert all(auth == f"Bearer {TOKEN}" for _, _, auth in hub.requests)
+    snapshot = cache / "models--rekindle--tiny" / "snapshots" / commit
+    assert sorted(p.name for p in snapshot.iterdir()) == sorted(
+        p.name for p in (node_dir / "tiny").iterdir()
+    )
+    assert vllm_model_arg(ns, pod) == model_path("rekindle/tiny", "main")
+    assert vllm_model_arg(ns, pod).startswith(MODEL_CACHE_MOUNT)
+    delete_isvc(ns, "onhub")

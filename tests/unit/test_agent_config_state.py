@@ -195,3 +195,10 @@ def test_state_transitions_and_ready_at() -> None:
     assert (doc["vllm_pid"], doc["inflight"]) == (42, 3)
     assert set(doc) == set(api.StatusDoc.__annotations__)
     assert set(state.TRANSITIONS) == set(api.STATES)
+
+
+def test_a_missing_model_directory_is_named_before_vllm_starts(tmp_path: Path) -> None:
+    config.check_model_dir(str(tmp_path))  # there: fine
+    config.check_model_dir("HuggingFaceTB/SmolLM2-135M-Instruct")  # a hub id: vLLM's business
+    with pytest.raises(config.ConfigError, match=r"/models/nope: no such directory.*spec\.model"):
+        config.check_model_dir("/models/nope")

@@ -22,6 +22,7 @@ from rekindle_agent.early import EarlyStart
 def run_agent(ns: argparse.Namespace) -> int:
     try:
         cfg = config.from_args(ns)
+        config.check_model_dir(cfg.model)
         signing_key = signing.read_key(cfg.signing_key_file) if cfg.signing_key_file else None
         api_key = read_api_key(cfg.api_key_file) if cfg.api_key_file else None
     except config.ConfigError as e:

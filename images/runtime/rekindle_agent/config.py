@@ -244,6 +244,20 @@ def normalize_checkpoint(value: str | None) -> str | None:
     return value
 
 
+def check_model_dir(model: str) -> None:
+    """Refuse a model path that is not a directory here, before vLLM starts.
+
+    vLLM takes a missing path for a hub id and fails with "Repo id must be in the
+    form ...", which points nowhere near the cause.
+    """
+    if model.startswith("/") and not Path(model).is_dir():
+        raise ConfigError(
+            f"--model {model}: no such directory in this container. spec.model.source names a "
+            "directory inside the runtime image; for weights outside it use spec.model.pvc, "
+            "spec.model.hostPath or spec.model.huggingFace"
+        )
+
+
 def from_args(ns: argparse.Namespace, env: dict[str, str] | None = None) -> AgentConfig:
     """The validated settings: flags over the --config file over env over defaults."""
     values: dict[str, Any] = from_env(dict(os.environ) if env is None else env)

@@ -30,23 +30,10 @@ from tests.cluster.operator_fixtures import (
 pytestmark = pytest.mark.cluster
 
 
-@pytest.fixture()
-def release(namespace: str) -> Iterator[str]:
-    require_image(OPERATOR_IMAGE, "operator")
-    # The CRDs are cluster-wide and shared by tests running beside this one:
-    # applied once with kubectl, and left out of this release (crds.install=false);
-    # test_helm_upgrade_applies_crd_changes covers the chart managing them.
-    install_crds()
-    name = f"rk{uuid.uuid4().hex[:6]}"
+def local_operator_values(namespace: str) -> list[str]:
+    """`--set`s for the locally loaded operator image (never pulled), watching namespace."""
     repo, tag = OPERATOR_IMAGE.rsplit(":", 1)
-    r = helm(
-        "install",
-        name,
-        str(REPO / "charts" / "rekindle"),
-        "-n",
-        namespace,
-        "--set",
-        "crds.install=false",
+    return [
         "--set",
         f"image.repository={repo}",
         "--set",
@@ -55,6 +42,26 @@ def release(namespace: str) -> Iterator[str]:
         "image.pullPolicy=Never",
         "--set",
         f"watchNamespaces={{{namespace}}}",
+    ]
+
+
+@pytest.fixture()
+def release(namespace: str) -> Iterator[str]:
+    require_image(OPERATOR_IMAGE, "operator")
+    # The CRDs are cluster-wide and shared by tests running beside this one:
+    # applied once with kubectl, and left out of this release (crds.install=false);
+    # test_helm_upgrade_applies_crd_changes covers the chart managing them.
+    install_crds()
+    name = f"rk{uuid.uuid4().hex[:6]}"
+    r = helm(
+        "install",
+        name,
+        str(REPO / "charts" / "rekindle"),
+        "-n",
+        namespace,
+        "--set",
+        "crds.install=false",
+        *local_operator_values(namespace),
         "--set",
         "statusIntervalSeconds=2",
         "--wait",
@@ -248,21 +255,13 @@ def crd_has_probe(probe: str) -> bool:
 def helm_release(verb: str, name: str, chart: Path, namespace: str, *extra: str) -> None:
     """install/upgrade a release that owns the CRDs; its operator is not needed here
     (the local image, never pulled: nothing is fetched if it is not loaded)."""
-    repo, tag = OPERATOR_IMAGE.rsplit(":", 1)
     r = helm(
         verb,
         name,
         str(chart),
         "-n",
         namespace,
-        "--set",
-        f"image.repository={repo}",
-        "--set",
-        f"image.tag={tag}",
-        "--set",
-        "image.pullPolicy=Never",
-        "--set",
-        f"watchNamespaces={{{namespace}}}",
+        *local_operator_values(namespace),
         "--set",
         "admissionPolicy.enabled=false",
         "--set",

@@ -57,12 +57,18 @@ def wait_gone(pid: int, name: bytes, timeout: float = 20.0) -> None:
         time.sleep(0.05)
 
 
-def criu(flavor: Flavor, *args: str, timeout: float = CRIU_TIMEOUT) -> subprocess.CompletedProcess:
+def criu(
+    flavor: Flavor,
+    *args: str,
+    timeout: float = CRIU_TIMEOUT,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         [str(flavor.criu), *args],
         stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,
+        env=env,
         timeout=timeout,
         check=False,
     )

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from .criu_helpers import CRIU_TIMEOUT, Flavor, Probe, cmdline_has, log_tail, wait_gone
+from .criu_helpers import CRIU_TIMEOUT, Flavor, Probe, cmdline_has, criu, log_tail, wait_gone
 
 pytestmark = pytest.mark.criu
 
@@ -65,16 +65,7 @@ def run_criu(
         env["PATH"] = f"{path_first}:{env.get('PATH', '/usr/bin:/bin')}"
     if fault:
         env["CRIU_FAULT"] = FORCE_ENABLE
-    plugins = flavor.criu.parent / "plugins"
-    return subprocess.run(
-        [str(flavor.criu), *args, "-L", str(plugins), "-v4"],
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=CRIU_TIMEOUT,
-        check=False,
-    )
+    return criu(flavor, *args, "-L", str(flavor.criu.parent / "plugins"), "-v4", env=env)
 
 
 def calls_of(calls: Path) -> list[str]:

@@ -127,6 +127,19 @@ class AgentArgs:
     admin_tls_key: str | None = _opt(
         "PEM private key of --admin-tls-cert (the Secret's tls.key), unencrypted", default=None
     )
+    # A KV block store several pods share (docs/caches.md, "KV cache reuse").
+    kv_store_dir: str | None = _opt(
+        "directory of a KV chunk store shared by pods (vLLM's file-system offload tier "
+        "behind --kv-offload-gb, which it needs; device cuda only). Unset: off",
+        default=None,
+    )
+    # Keep the newest checkpoint in the page cache (docs/agent.md, "Page-cache residency").
+    keep_resident_mb: int = _opt(
+        "lock up to this many MiB of the newest checkpoint this pod restored or made in the "
+        "page cache (vmtouch -l; needs CAP_IPC_LOCK; counts against the pod's memory "
+        "limit). 0: off",
+        default=0,
+    )
     vllm_args: list[str] = field(default_factory=list, metadata={"help": "vLLM flags after --"})
 
 

@@ -154,6 +154,28 @@ class SecurityDoc(TypedDict):
     admin_tls: bool  # the admin port serves HTTPS only (--admin-tls-cert, --admin-tls-key)
 
 
+class ResidencyDoc(TypedDict):
+    """StatusDoc.residency: how much of the pod's checkpoint is in the node's page cache."""
+
+    path: str
+    files: int
+    bytes: int  # the files' size in whole pages
+    resident_bytes: int
+    percent: float
+    tool: str  # vmtouch, or mincore where vmtouch is not installed
+    seconds: float  # what asking cost
+
+
+class ResidentLockDoc(TypedDict):
+    """StatusDoc.resident_lock: the checkpoint locked in the page cache (--keep-resident-mb)."""
+
+    budget_bytes: int
+    checkpoint: str | None
+    files: int
+    locked_bytes: int
+    why: str  # what was left out or why nothing is locked ("" when all is)
+
+
 class StatusDoc(TypedDict):
     """GET /v1/status: the agent's state and how its vLLM came up."""
 
@@ -174,6 +196,9 @@ class StatusDoc(TypedDict):
     inflight: int
     states: list[str]
     security: SecurityDoc
+    # The checkpoint the running vLLM came from, in the page cache (None: no checkpoint).
+    residency: ResidencyDoc | None
+    resident_lock: ResidentLockDoc | None  # None: --keep-resident-mb 0
 
 
 @dataclass
@@ -193,6 +218,7 @@ class StatusReply:
     ready_at: float | None = None
     last_checkpoint: LastCheckpoint | None = None
     security: dict[str, Any] = field(default_factory=dict)
+    residency: dict[str, Any] | None = None
     raw: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -211,6 +237,7 @@ class StatusReply:
             ready_at=data.get("ready_at"),
             last_checkpoint=data.get("last_checkpoint"),
             security=dict(data.get("security") or {}),
+            residency=data.get("residency"),
             raw=data,
         )
 

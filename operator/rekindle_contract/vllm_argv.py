@@ -7,6 +7,7 @@ agent flags (agent_args.py), and refuses user flags that collide with these.
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -90,6 +91,9 @@ class VllmOptions:
     mm_shm_max_object_mb: int | None = None
     prefix_caching: bool = True
     kv_offload_gb: float | None = None  # vLLM's native CPU KV offload
+    # A directory of KV blocks shared by pods (vLLM's file-system offload tier,
+    # behind the CPU offload of kv_offload_gb); None: off. GPU only.
+    kv_store_dir: str | None = None
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -130,7 +134,12 @@ def vllm_argv(opts: VllmOptions, python: str = sys.executable) -> list[str]:
             cmd += ["--mm-shm-cache-max-object-size-mb", str(opts.mm_shm_max_object_mb)]
     if not opts.prefix_caching:
         cmd.append("--no-enable-prefix-caching")
-    if opts.kv_offload_gb:
+    if opts.kv_store_dir:
+        if not opts.kv_offload_gb:
+            raise ValueError("kv_store_dir needs kv_offload_gb: blocks reach the store through it")
+        config = kv_store_transfer_config(int(opts.kv_offload_gb * 2**30), opts.kv_store_dir)
+        cmd += ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
+    elif opts.kv_offload_gb:
         cmd += [
             "--kv-offloading-backend",
             "native",
@@ -138,3 +147,25 @@ def vllm_argv(opts: VllmOptions, python: str = sys.executable) -> list[str]:
             f"{opts.kv_offload_gb:g}",
         ]
     return cmd + list(opts.extra_args)
+
+
+def kv_store_transfer_config(cpu_bytes: int, store_dir: str) -> dict[str, Any]:
+    """vLLM's --kv-transfer-config for a KV block store on a (shared) file system.
+
+    vLLM's in-tree OffloadingConnector with its tiering spec: a CPU tier of
+    cpu_bytes (the same region --kv-offloading-size maps in /dev/shm) in front
+    of a file-system tier that writes one file per chunk of tokens, named by
+    the chain hash of the chunk's tokens under a per-model directory of
+    store_dir. Pods that mount the same store_dir reuse each other's chunks.
+    vLLM 0.32 runs it on CUDA and XPU only (its CPU build refuses the offload
+    worker), which is why the operator allows it for device gpu only.
+    """
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "spec_name": "TieringOffloadingSpec",
+            "cpu_bytes_to_use": cpu_bytes,
+            "secondary_tiers": [{"type": "fs", "root_dir": store_dir}],
+        },
+    }

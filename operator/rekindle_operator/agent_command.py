@@ -18,6 +18,8 @@ from rekindle_operator.quantity import gib_float
 from rekindle_operator.spec import IsvcSpec
 
 _RESTORE_POLICY = {"IfAvailable": "if-present", "Never": "never"}
+# Where spec.kvCache.sharedStore's volume is mounted in the pod (the same in every pod).
+KV_STORE_MOUNT = "/var/lib/rekindle/kv-store"
 
 
 def agent_args(spec: IsvcSpec) -> AgentArgs:
@@ -32,11 +34,13 @@ def agent_args(spec: IsvcSpec) -> AgentArgs:
         mm_shm_max_object_mb=spec.mm_max_object_mib if spec.mm_shm_cache else None,
         prefix_caching=spec.prefix_caching,
         kv_offload_gb=gib_float(spec.kv_offload_bytes) if spec.kv_offload_bytes else None,
+        kv_store_dir=KV_STORE_MOUNT if spec.kv_store else None,
         checkpoint_root=CHECKPOINT_MOUNT,
         # Kubernetes expands $(VAR) from the container's env when it starts it.
         checkpoint=f"$({CHECKPOINT_ENV})",
         restore_policy=_RESTORE_POLICY[spec.restore_policy],
         prefetch=spec.prefetch,
+        keep_resident_mb=spec.keep_resident_bytes >> 20,
         # CRIU's CUDA plugin is only loaded from a directory given with -L: without
         # it a GPU dump meets /dev/nvidia* and fails (docs/gpu.md).
         criu_plugins=CUDA_PLUGIN_DIR if spec.device != "cpu" else None,

@@ -30,7 +30,7 @@ from rekindle_contract.pod import (
 from rekindle_contract.vllm_argv import MM_AUTO_ENV
 
 from rekindle_operator import admin_tls
-from rekindle_operator.agent_command import agent_command
+from rekindle_operator.agent_command import KV_STORE_MOUNT, agent_command
 from rekindle_operator.checkpoint_storage import prefer_node
 from rekindle_operator.constants import (
     ANN_FINGERPRINT,
@@ -378,6 +378,9 @@ def _operator_pod_template(spec: IsvcSpec, shm_bytes: int, fingerprint: str) -> 
         container["volumeMounts"].append(
             {"name": "api-key", "mountPath": API_KEY_DIR, "readOnly": True}
         )
+    if spec.kv_store:
+        # Writable: every pod both stores the KV chunks it computed and loads others'.
+        container["volumeMounts"].append({"name": KV_STORE_VOLUME, "mountPath": KV_STORE_MOUNT})
     annotations = {ANN_FINGERPRINT: fingerprint, ANN_RESTART: spec.restart_token}
     if spec.admin_tls:
         container["volumeMounts"].append(
@@ -430,6 +433,7 @@ def _operator_pod_template(spec: IsvcSpec, shm_bytes: int, fingerprint: str) -> 
                 *model_volumes(spec.model),
                 *_api_key_volumes(spec),
                 *_admin_tls_volumes(spec),
+                *_kv_store_volumes(spec),
             ],
         },
     }
@@ -452,6 +456,24 @@ def _api_key_volumes(spec: IsvcSpec) -> list[Obj]:
                 "items": [{"key": key, "path": API_KEY_KEY}],
                 "defaultMode": 0o400,
             },
+        }
+    ]
+
+
+KV_STORE_VOLUME = "kv-store"
+
+
+def _kv_store_volumes(spec: IsvcSpec) -> list[Obj]:
+    """spec.kvCache.sharedStore's volume: the user's claim, or a node directory."""
+    store = spec.kv_store
+    if store is None:
+        return []
+    if store.claim_name:
+        return [{"name": KV_STORE_VOLUME, "persistentVolumeClaim": {"claimName": store.claim_name}}]
+    return [
+        {
+            "name": KV_STORE_VOLUME,
+            "hostPath": {"path": store.host_path, "type": "DirectoryOrCreate"},
         }
     ]
 

@@ -209,6 +209,17 @@ def cmd_restore(args: argparse.Namespace) -> int:
     return 1
 
 
+def page_cache_note(doc: dict[str, Any] | None) -> str:
+    """The pod line's page-cache note from its status.pageCache ("" without one)."""
+    if not doc:
+        return ""
+    gib = 2**30
+    return (
+        f", checkpoint {doc.get('residentPercent', 0):g}% in page cache "
+        f"({int(doc.get('residentBytes', 0)) / gib:.1f}/{int(doc.get('bytes', 0)) / gib:.1f} GiB)"
+    )
+
+
 def format_status(isvc: dict[str, Any], checkpoints: list[dict[str, Any]]) -> str:
     st = isvc.get("status") or {}
     name = isvc["metadata"]["name"]
@@ -231,6 +242,7 @@ def format_status(isvc: dict[str, Any], checkpoints: list[dict[str, Any]]) -> st
         memory = f", memory {p['memory']} ({p.get('memoryReason', '')})" if p.get("memory") else ""
         lines.append(
             f"  pod {p['name']}: {p.get('origin')}{why}, ready={p.get('ready')}{agent}{memory}"
+            + page_cache_note(p.get("pageCache"))
         )
     for c in st.get("conditions") or []:
         lines.append(f"  {c['type']}={c['status']} {c.get('reason', '')}: {c.get('message', '')}")

@@ -48,6 +48,18 @@ class Storage:
 
 
 @dataclass(frozen=True)
+class KvStore:
+    """spec.kvCache.sharedStore: a volume of KV chunks that every pod mounts (GPU only).
+
+    Exactly one of claim_name (an existing PVC; ReadWriteMany for pods on several
+    nodes) and host_path (a node directory, shared by the pods of that node).
+    """
+
+    claim_name: str | None = None
+    host_path: str | None = None
+
+
+@dataclass(frozen=True)
 class AdminTLS:
     """spec.adminTLS: the agents' admin port over HTTPS.
 
@@ -98,9 +110,14 @@ class IsvcSpec:
     mm_max_object_mib: int = 128
     prefix_caching: bool = True
     kv_offload_bytes: int = 0
+    # spec.kvCache.sharedStore; None: no store shared between pods.
+    kv_store: KvStore | None = None
     storage: Storage = field(default_factory=Storage)
     restore_policy: str = "IfAvailable"  # IfAvailable | Never
     prefetch: bool = True
+    # spec.coldStart.keepResident: bytes of the newest checkpoint each pod keeps
+    # locked in its node's page cache (0: off).
+    keep_resident_bytes: int = 0
     restart_token: str = ""  # bumped by `kubectl rekindle restore`
     # The user's Secret (name, key) holding the API key clients must send on the
     # serve port; None: no key. The operator mounts it, never reads it.
@@ -179,6 +196,7 @@ def parse_spec(
         mm_max_object_mib=int(mm.get("maxObjectMiB", 128)),
         prefix_caching=bool(kv.get("prefixCaching", True)),
         kv_offload_bytes=to_bytes(kv.get("cpuOffloadSize", 0)),
+        kv_store=_kv_store(_get(kv, "sharedStore")) if kv.get("sharedStore") is not None else None,
         storage=Storage(
             type=str(st.get("type", "pvc")),
             size=str(pvc.get("size", "20Gi")),
@@ -190,6 +208,7 @@ def parse_spec(
         ),
         restore_policy=str(cold.get("restorePolicy", "IfAvailable")),
         prefetch=bool(cold.get("prefetch", True)),
+        keep_resident_bytes=_keep_resident(_get(cold, "keepResident")),
         restart_token=(annotations or {}).get(ANN_RESTART, ""),
         api_key_secret=(
             (str(api_key["name"]), str(api_key.get("key") or "api-key"))
@@ -214,6 +233,73 @@ def _admin_tls(name: str, namespace: str, tls: Mapping[str, Any]) -> AdminTLS:
         secret_name=str(tls["secretName"]),
         server_name=str(tls.get("serverName") or default_server_name(name, namespace)),
     )
+
+
+def _keep_resident(kr: Mapping[str, Any]) -> int:
+    """spec.coldStart.keepResident's budget in bytes; 0 when not enabled."""
+    if not kr.get("enabled"):
+        return 0
+    size = to_bytes(kr.get("maxSize", 0))
+    if size < 2**20:
+        raise SpecError(
+            "spec.coldStart.keepResident.enabled needs a maxSize of at least 1Mi (such as "
+            "4Gi): the most of the newest checkpoint each pod keeps locked in the page cache"
+        )
+    return size
+
+
+def _validate_keep_resident(s: IsvcSpec) -> None:
+    """Locked page cache is charged to the pod's memory and cannot be reclaimed."""
+    if s.keep_resident_bytes and s.keep_resident_bytes >= to_bytes(s.memory):
+        raise SpecError(
+            f"spec.coldStart.keepResident.maxSize ({s.keep_resident_bytes // 2**20}Mi) is not "
+            f"below spec.resources.memory ({s.memory}): the locked checkpoint counts against "
+            "the pod's memory limit beside vLLM itself; lower maxSize or raise the memory"
+        )
+
+
+def _kv_store(store: Mapping[str, Any]) -> KvStore:
+    pvc = store.get("pvc") or {}
+    hp = store.get("hostPath") or {}
+    if bool(pvc) == bool(hp):
+        raise SpecError(
+            "spec.kvCache.sharedStore takes exactly one of pvc {claimName} (an existing "
+            "claim, ReadWriteMany for pods on several nodes) or hostPath {path}"
+        )
+    if pvc and not pvc.get("claimName"):
+        raise SpecError("spec.kvCache.sharedStore.pvc.claimName is required: an existing PVC")
+    path = str(hp.get("path", "")) if hp else None
+    if path is not None and (not path.startswith("/") or ".." in path.split("/")):
+        raise SpecError(
+            f"spec.kvCache.sharedStore.hostPath.path is {path!r}: use an absolute node path "
+            "without '..'"
+        )
+    return KvStore(claim_name=str(pvc["claimName"]) if pvc else None, host_path=path)
+
+
+def _validate_kv_cache(s: IsvcSpec) -> None:
+    """What vLLM's KV offload runs on, and who configures its KV connector."""
+    if s.kv_offload_bytes < 0:
+        raise SpecError("spec.kvCache.cpuOffloadSize must be a non-negative quantity such as 8Gi")
+    if s.kv_offload_bytes and s.device == "cpu":
+        raise SpecError(
+            "spec.kvCache.cpuOffloadSize needs spec.runtime.device gpu: vLLM's CPU build has "
+            "no KV offload (its offload worker runs on CUDA and XPU only) and its KV cache "
+            "already lives in host memory; set cpuOffloadSize to 0 (or remove it) on CPU"
+        )
+    if s.kv_store and (s.device == "cpu" or not s.kv_offload_bytes):
+        raise SpecError(
+            "spec.kvCache.sharedStore needs spec.runtime.device gpu and a spec.kvCache."
+            "cpuOffloadSize above 0: vLLM moves KV blocks to the store through its CPU "
+            "offload, which its CPU build does not have"
+        )
+    if s.kv_offload_bytes or s.kv_store:
+        for arg in s.vllm_args:
+            if arg.split("=", 1)[0] == "--kv-transfer-config":
+                raise SpecError(
+                    "spec.vllmArgs sets --kv-transfer-config, which spec.kvCache.cpuOffloadSize "
+                    "and spec.kvCache.sharedStore configure: remove one or the other"
+                )
 
 
 def validate(s: IsvcSpec) -> None:
@@ -254,6 +340,8 @@ def validate(s: IsvcSpec) -> None:
             "spec.multimodal.maxObjectMiB is larger than spec.multimodal.cacheSize: "
             "lower maxObjectMiB or raise cacheSize"
         )
+    _validate_kv_cache(s)
+    _validate_keep_resident(s)
     if s.storage.type not in ("pvc", "hostPath"):
         raise SpecError(
             f"spec.coldStart.storage.type is {s.storage.type!r}: use 'pvc' or 'hostPath'"

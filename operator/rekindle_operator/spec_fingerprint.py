@@ -37,6 +37,10 @@ def spec_fingerprint(spec: IsvcSpec) -> str:
         "mm": [spec.mm_shm_cache, spec.mm_cache_bytes, spec.mm_max_object_mib],
         "kv": [spec.prefix_caching, spec.kv_offload_bytes],
     }
+    if spec.kv_store:
+        # vLLM runs another KV connector (and its I/O threads) with a store; which
+        # volume backs it is the pod's business, like the checkpoints' storage.
+        relevant["kvStore"] = True
     relevant.update(process_extras(spec))
     blob = json.dumps(relevant, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()[:16]

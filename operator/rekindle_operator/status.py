@@ -48,6 +48,20 @@ class PodBoot:
     memory: str = ""  # restored: "mmap" (mapped from the images) or "copy"
     memory_reason: str = ""  # why the agent chose that path
     stuck: bool = False  # Kubernetes holds the pod back (reason: pod_problem's words)
+    # Its checkpoint in the node's page cache, as the agent measured it (vmtouch).
+    page_cache: Mapping[str, Any] | None = None
+
+
+def page_cache(agent: StatusReply | None) -> dict[str, Any] | None:
+    """The agent's residency report, for the pod's status: percent and bytes."""
+    doc = agent.residency if agent is not None else None
+    if not doc:
+        return None
+    return {
+        "residentPercent": float(doc.get("percent", 0.0)),
+        "residentBytes": int(doc.get("resident_bytes", 0)),
+        "bytes": int(doc.get("bytes", 0)),
+    }
 
 
 def cold_start_seconds(pod: Body) -> float | None:
@@ -139,6 +153,7 @@ def pod_boot(pod: Body, agent: StatusReply | None, agent_error: str | None) -> P
         agent_ready_seconds(pod, agent),
         str(memory.get("path") or ""),
         str(memory.get("why") or ""),
+        page_cache=page_cache(agent),
     )
 
 
@@ -265,6 +280,7 @@ def compute_status(old: Body, obs: Observed) -> dict[str, Any]:
                 **_seconds("coldStartSeconds", p.cold_start_seconds),
                 **_seconds("agentReadySeconds", p.agent_ready_seconds),
                 **({"memory": p.memory, "memoryReason": p.memory_reason[:300]} if p.memory else {}),
+                **({"pageCache": dict(p.page_cache)} if p.page_cache else {}),
             }
             for p in obs.pods
         ],

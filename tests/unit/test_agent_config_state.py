@@ -96,6 +96,8 @@ def test_every_setting_round_trips_through_agent_argv(monkeypatch: pytest.Monkey
         proxy_max_concurrency=3,
         admin_tls_cert="/secrets/tls/tls.crt",
         admin_tls_key="/secrets/tls/tls.key",
+        kv_store_dir="/var/lib/rekindle/kv-store",
+        keep_resident_mb=256,
         vllm_args=["--dtype", "float32", "--seed", "7"],
     )
     defaults = AgentArgs()

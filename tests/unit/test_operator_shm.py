@@ -39,7 +39,12 @@ def test_gpu_tp4_adds_worker_queues_and_nccl_per_rank() -> None:
 
 
 def test_mm_cache_off_and_kv_offload_on() -> None:
-    s = spec(multimodal={"shmCache": False}, kvCache={"cpuOffloadSize": "8Gi"})
+    s = spec(
+        runtime={"device": "gpu"},
+        resources={"gpus": 1},
+        multimodal={"shmCache": False},
+        kvCache={"cpuOffloadSize": "8Gi"},
+    )
     need = shm.shm_need(s)  # type: ignore[arg-type]
     assert need.multimodal_cache == 0
     assert need.kv_offload == 8 * GiB

@@ -50,7 +50,7 @@ from rekindle_agent.metrics import Metrics
 from rekindle_agent.state import Status
 from rekindle_agent.vllm_control import VllmControl
 from rekindle_agent.vllm_launch import VLLM_HOST, vllm_command
-from rekindle_agent.vllm_process import VllmProcess
+from rekindle_agent.vllm_process import VllmProcess, describe_exit
 
 log = logging.getLogger("rekindle.agent")
 NS_LAST_PID = "/proc/sys/kernel/ns_last_pid"
@@ -509,7 +509,8 @@ class Agent:
                 and not self.flow_lock.locked()
                 and not self.vllm.alive()
             ):
-                self.set_state("Failed", f"vLLM exited unexpectedly; see {self.vllm.log_path}")
+                how = describe_exit(self.vllm.exit_code(timeout=2))
+                self.set_state("Failed", f"vLLM exited unexpectedly{how}; see {self.vllm.log_path}")
 
     def shutdown(self) -> None:
         self.stopping = True

@@ -78,6 +78,8 @@ class AgentConfig(AgentArgs):
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{flag(name)} must be >= 1")
+        if self.keep_resident_mb < 0:
+            raise ConfigError("--keep-resident-mb must be >= 0 (0: off)")
         if self.checkpoint_timeout <= self.drain_timeout:
             raise ConfigError("--checkpoint-timeout must be longer than --drain-timeout")
         if self.signing_key_file and self.verify_checksums not in SECURE_VERIFY:
@@ -89,6 +91,11 @@ class AgentConfig(AgentArgs):
             raise ConfigError("--checkpoint-root must be an absolute path")
         if not os.path.isabs(self.run_dir):
             raise ConfigError("--run-dir must be an absolute path")
+        if self.kv_store_dir and (self.device != "cuda" or not self.kv_offload_gb):
+            raise ConfigError(
+                "--kv-store-dir needs --device cuda and --kv-offload-gb: vLLM moves KV chunks "
+                "to the store through its CPU offload, which its CPU build does not have"
+            )
         self._validate_admin_tls()
 
     def _validate_admin_tls(self) -> None:

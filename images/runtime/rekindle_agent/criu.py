@@ -117,3 +117,122 @@ def log_tail(text: str, lines: int = 15) -> str:
     all_lines = text.splitlines()
     errs = [ln for ln in all_lines if "Error" in ln or "error" in ln]
     return "\n".join((errs or all_lines)[-lines:])
+
+
+# ---------------------------------------------------------------- CRIU's own timing
+
+# stats-restore (written to the work dir, -W): a CRIU image holding one protobuf
+# message, stats_entry, whose field 2 is the restore's entry. Its fields (CRIU's
+# images/stats.proto): 1 pages_compared, 2 pages_skipped_cow, 3 forking_time (us),
+# 4 restore_time (us), 5 pages_restored (pages read into memory, not mapped).
+_RESTORE_STATS_FIELDS = {
+    1: "pages_compared",
+    2: "pages_skipped_cow",
+    3: "forking_us",
+    4: "restore_us",
+    5: "pages_restored",
+}
+_STATS_MAGIC = 0x57093306
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(data):
+            raise ValueError("truncated varint")
+        b = data[pos]
+        pos += 1
+        value |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return value, pos
+        shift += 7
+
+
+def _fields(msg: bytes) -> dict[int, int | bytes]:
+    """The varint and length-delimited fields of one protobuf message (last one wins)."""
+    out: dict[int, int | bytes] = {}
+    pos = 0
+    while pos < len(msg):
+        key, pos = _varint(msg, pos)
+        num, wire = key >> 3, key & 7
+        if wire == 0:
+            out[num], pos = _varint(msg, pos)
+        elif wire == 2:
+            n, pos = _varint(msg, pos)
+            out[num] = msg[pos : pos + n]
+            pos += n
+        elif wire in (1, 5):
+            pos += 8 if wire == 1 else 4
+        else:
+            raise ValueError(f"protobuf wire type {wire} is not expected in stats-restore")
+    return out
+
+
+def parse_restore_stats(data: bytes) -> dict[str, int]:
+    """CRIU's own restore counters from its stats-restore file (no crit needed).
+
+    Why: CRIU times its fork and its restore itself and counts the pages it
+    read into memory (those not mapped by --mmap-restore); the profile and the
+    benchmark split the agent's criu_restore phase with these. ValueError when
+    data is not a stats image.
+    """
+    if len(data) < 12:
+        raise ValueError("stats-restore is too short")
+    magic = int.from_bytes(data[4:8], "little")
+    if magic != _STATS_MAGIC:
+        raise ValueError(f"not a CRIU stats image (magic {magic:#x})")
+    size = int.from_bytes(data[8:12], "little")
+    entry = _fields(data[12 : 12 + size]).get(2)
+    if not isinstance(entry, bytes):
+        raise ValueError("stats-restore holds no restore entry")
+    return {
+        name: value
+        for num, value in _fields(entry).items()
+        if (name := _RESTORE_STATS_FIELDS.get(num)) is not None and isinstance(value, int)
+    }
+
+
+_TS = re.compile(r"^\((\d+\.\d+)\)")
+_PREADV = re.compile(r"pie: (\d+): Preadv ")
+_RETURNED = re.compile(r"pie: (\d+): `- returned (\d+)")
+_MAPPED = re.compile(r"(\d+): mmap-restore: 0x([0-9a-f]+)-0x([0-9a-f]+) from pages-")
+
+
+def restore_log_profile(text: str) -> dict[str, float]:
+    """Where a `-v4` restore log's time went, from its timestamps (seconds, bytes).
+
+    Why: CRIU's stats give two totals; the log says what is inside them.
+    setup_s: start to the first forked task (kernel feature probes,
+    namespaces, reading the images); read_s: per task, the time from a Preadv
+    to its result (memory CRIU copies from pages-*.img), the largest task's
+    sum (tasks restore in parallel); read_bytes: bytes copied, all tasks;
+    mapped_bytes: bytes --mmap-restore mapped instead; total_s: the log's
+    last timestamp.
+    """
+    first_fork = total = 0.0
+    pending: dict[str, float] = {}
+    read_s: dict[str, float] = {}
+    read_bytes = mapped = 0
+    for line in text.splitlines():
+        m = _TS.match(line)
+        if not m:
+            continue
+        t = float(m.group(1))
+        total = t
+        if not first_fork and "Forking task with" in line:
+            first_fork = t
+        if (p := _PREADV.search(line)) is not None:
+            pending[p.group(1)] = t
+        elif (r := _RETURNED.search(line)) is not None and r.group(1) in pending:
+            pid = r.group(1)
+            read_s[pid] = read_s.get(pid, 0.0) + t - pending.pop(pid)
+            read_bytes += int(r.group(2))
+        elif (mm := _MAPPED.search(line)) is not None:
+            mapped += int(mm.group(3), 16) - int(mm.group(2), 16)
+    return {
+        "setup_s": first_fork,
+        "read_s": max(read_s.values(), default=0.0),
+        "read_bytes": float(read_bytes),
+        "mapped_bytes": float(mapped),
+        "total_s": total,
+    }

@@ -22,13 +22,14 @@ import logging
 import os
 import signal
 import ssl
+import subprocess
 import threading
-from typing import Any
+from typing import Any, cast
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 from rekindle_contract import api
 
-from rekindle_agent import checkpoint, serve_routes
+from rekindle_agent import checkpoint, residency, serve_routes
 from rekindle_agent.agent import Agent
 from rekindle_agent.auth import token_ok
 from rekindle_agent.config import ConfigError, admin_tls_context
@@ -55,6 +56,7 @@ HOP_HEADERS = {
 UNAUTHENTICATED = {api.PATH_HEALTHZ, api.PATH_READYZ}
 AGENT_KEY = web.AppKey("agent", Agent)
 PROXY_KEY: web.AppKey[Proxy] = web.AppKey("proxy")
+RESIDENT_KEY: web.AppKey[residency.ResidentLock | None] = web.AppKey("resident")
 
 
 class Proxy:
@@ -240,7 +242,31 @@ async def readyz(request: web.Request) -> web.Response:
 
 async def status(request: web.Request) -> web.Response:
     agent = request.app[AGENT_KEY]
-    return web.json_response(agent.status_doc(request.app[PROXY_KEY].inflight))
+    doc = agent.status_doc(request.app[PROXY_KEY].inflight)
+    doc["residency"] = await asyncio.to_thread(checkpoint_residency, doc["checkpoint"])
+    lock = request.app.get(RESIDENT_KEY)
+    doc["resident_lock"] = cast(api.ResidentLockDoc, lock.doc()) if lock else None
+    return web.json_response(doc)
+
+
+def checkpoint_residency(ckpt: str | None) -> api.ResidencyDoc | None:
+    """How much of ckpt is in the page cache; None without one (or when it is gone)."""
+    if not ckpt:
+        return None
+    try:
+        return cast(api.ResidencyDoc, residency.residency(ckpt))
+    except (OSError, ValueError, subprocess.SubprocessError) as e:
+        log.warning("residency of %s: %s", ckpt, e)
+        return None
+
+
+def newest_checkpoint(agent: Agent) -> tuple[str, list[tuple[str, int]]] | None:
+    """The checkpoint to keep resident: the one the serving vLLM came from (restored, or
+    just made and proven), once Ready, so locking never competes with a restore."""
+    ckpt = agent.status.checkpoint
+    if agent.status.state != "Ready" or not ckpt or not os.path.isdir(ckpt):
+        return None
+    return ckpt, residency.checkpoint_files(ckpt)
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -376,10 +402,13 @@ async def post_checkpoint(request: web.Request) -> web.Response:
         agent.flow_lock.release()
 
 
-def admin_app(agent: Agent, proxy: Proxy) -> web.Application:
+def admin_app(
+    agent: Agent, proxy: Proxy, lock: residency.ResidentLock | None = None
+) -> web.Application:
     app = web.Application(middlewares=[auth_middleware])
     app[AGENT_KEY] = agent
     app[PROXY_KEY] = proxy
+    app[RESIDENT_KEY] = lock
     app.router.add_get(api.PATH_HEALTHZ, healthz)
     app.router.add_get(api.PATH_READYZ, readyz)
     app.router.add_get(api.PATH_STATUS, status)
@@ -461,7 +490,18 @@ async def serve(agent: Agent, starter: threading.Thread, early_stop: threading.E
         renewals = asyncio.create_task(
             keep_admin_cert_fresh(tls, cfg.admin_tls_cert, cfg.admin_tls_key)
         )
-    admin, admin_port = await listen(admin_app(agent, proxy), cfg.bind_host, cfg.admin_port, tls)
+    lock, keeper_stop = None, threading.Event()
+    if cfg.keep_resident_mb > 0:
+        lock = residency.ResidentLock(cfg.keep_resident_mb << 20)
+        threading.Thread(
+            target=residency.follow,
+            args=(lock, lambda: newest_checkpoint(agent), keeper_stop),
+            name="keep-resident",
+            daemon=True,
+        ).start()
+    admin, admin_port = await listen(
+        admin_app(agent, proxy, lock), cfg.bind_host, cfg.admin_port, tls
+    )
     serving, serve_port = await listen(proxy_app(agent, proxy), cfg.bind_host, cfg.serve_port)
     if cfg.ports_file:
         write_ports_file(cfg.ports_file, {"serve": serve_port, "admin": admin_port})
@@ -484,6 +524,9 @@ async def serve(agent: Agent, starter: threading.Thread, early_stop: threading.E
     await stop.wait()
     log.info("agent: stopping")
     agent.stopping = True
+    keeper_stop.set()
+    if lock is not None:
+        lock.release()
     if renewals is not None:
         renewals.cancel()
     with contextlib.suppress(Exception):

@@ -100,4 +100,7 @@ class Status:
                 "inflight": inflight,
                 "states": list(STATES),
                 "security": SecurityDoc(**self.security),
+                # Filled in by the admin server (it owns vmtouch and the lock).
+                "residency": None,
+                "resident_lock": None,
             }

@@ -26,6 +26,10 @@ rekindle_contract.rpc):
   after re-allocating what release freed; on GPU after `POST
   /wake_up?tags=weights`). The caller then calls `POST /reset_prefix_cache`
   (the KV cache's content is gone) and, on GPU, `POST /wake_up?tags=kv_cache`.
+  With REKINDLE_MAP_WEIGHTS=1 (CPU) the page-aligned part of each tensor is
+  mapped from the dump instead of copied (rekindle_weights.reload.map_range:
+  no first-touch faults on fresh memory); release and the next reload turn
+  those ranges back into anonymous memory first.
 - `rekindle_weights_digest() -> {name: checksum}`: per-tensor block CRC-32s
   (rekindle_weights.format), to prove a round trip bit-exact.
 - `rekindle_worker_info() -> {"rank", "pid", "rss_bytes", "released"}`.
@@ -60,6 +64,7 @@ from rekindle_weights.reload import (
     ReloadOptions,
     load_into,
     release_staging_buffers,
+    unmap_ranges,
     validate,
 )
 from rekindle_weights.tensors import byte_tensor, host_bytes, model_tensors
@@ -126,6 +131,18 @@ def _keep_cpu_linear_weights() -> None:
 
 
 _keep_cpu_linear_weights()
+
+
+def _map_weights() -> bool:
+    """REKINDLE_MAP_WEIGHTS=1: a CPU reload maps the dump instead of copying it.
+
+    Off by default: the mapped dump must then stay unchanged for the server's
+    whole life (a truncated file would SIGBUS it), like the pages images the
+    mmap restore maps, and only page-aligned storages can be mapped (PyTorch
+    aligns allocations of 2 MiB and more to pages with THP_MEM_ALLOC_ENABLE=1).
+    docs/weights.md, "Fresh memory".
+    """
+    return os.environ.get("REKINDLE_MAP_WEIGHTS", "0") == "1"
 
 
 def _released_linear(*args: object, **kwargs: object) -> None:
@@ -259,6 +276,7 @@ class RekindleWorkerExtension:
     rank: int
     device: Any
     _rekindle_released: _Released | None  # annotation only: no class attribute to clash
+    _rekindle_mapped: tuple[tuple[int, int], ...]  # ranges the last reload mapped (map_file)
 
     def _rekindle_model(self) -> torch.nn.Module:
         model: torch.nn.Module = self.model_runner.get_model()
@@ -311,6 +329,7 @@ class RekindleWorkerExtension:
             # GPU: /sleep?level=2 unmaps weights and KV cache (virtual addresses kept).
             return {"rank": int(self.rank), "freed_bytes": staging, "mode": "vllm-sleep"}
         rss0 = _rss_bytes()
+        self._rekindle_unmap()  # freed memory must not stay a mapping of the dump
         model = self._rekindle_model()
         _drop_cpu_handlers(model)
         state = _Released()
@@ -342,9 +361,14 @@ class RekindleWorkerExtension:
         index = fmt.read_index(directory, rank)
         ordered = validate(index, self._rekindle_named())  # before any allocation or write
         state = self._rekindle_state()
+        self._rekindle_unmap()  # this reload refills (or maps) that memory anew
         if state is not None:
             _regrow(state.weights)
-        opts = ReloadOptions(verify=_truthy(verify), threads=_opt_int(threads))
+        opts = ReloadOptions(
+            verify=_truthy(verify),
+            threads=_opt_int(threads),
+            map_file=self.device.type == "cpu" and _map_weights(),
+        )
         try:
             res = load_into(index, fmt.data_path(directory, rank), ordered, opts)
         except BaseException:
@@ -358,6 +382,7 @@ class RekindleWorkerExtension:
             raise
         finally:
             release_staging_buffers()  # no pinned host memory left behind in the server
+        self._rekindle_mapped = res.mapped
         if state is not None:
             _regrow(state.kv)
             self._rekindle_released = None
@@ -372,6 +397,10 @@ class RekindleWorkerExtension:
         out = res.to_json()
         out["total_seconds"] = round(time.perf_counter() - t0, 6)
         return out
+
+    def _rekindle_unmap(self) -> None:
+        unmap_ranges(getattr(self, "_rekindle_mapped", ()))
+        self._rekindle_mapped = ()
 
     def rekindle_time_vllm_reload(self) -> dict[str, Any]:
         """vLLM's own `reload_weights` timed inside the worker (the benchmark's baseline)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from rekindle_contract.rpc import WORKER_EXTENSION
 from rekindle_contract.vllm_argv import MM_AUTO_ENV, VllmOptions, takes_images, vllm_argv
@@ -74,17 +74,40 @@ def vllm_options(cfg: AgentConfig, env: Mapping[str, str] | None = None) -> Vllm
         mm_shm_max_object_mb=cfg.mm_shm_max_object_mb if mm else None,
         prefix_caching=cfg.prefix_caching,
         kv_offload_gb=cfg.kv_offload_gb,
+        kv_store_dir=cfg.kv_store_dir,
         extra_args=tuple(cfg.vllm_args),
     )
 
 
+def cpu_threads_bind(cpus: Sequence[int], ranks: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for ranks tensor-parallel CPU workers, e.g. "0,1|2,3".
+
+    vLLM's own default ("auto") gives each rank a NUMA node and refuses to start
+    when there are fewer nodes than ranks, as on most VMs and containers. So the
+    CPUs this process may run on are split into ranks equal contiguous groups
+    (left-over CPUs stay free for the API server and the engine core);
+    "nobind" when there are fewer CPUs than ranks.
+    """
+    ordered = sorted(set(cpus))
+    per = len(ordered) // ranks if ranks > 0 else 0
+    if per == 0:
+        return "nobind"
+    groups = [ordered[i * per : (i + 1) * per] for i in range(ranks)]
+    return "|".join(",".join(str(c) for c in g) for g in groups)
+
+
 def vllm_env(
-    device: str, base: dict[str, str] | None = None, run_dir: str | None = None
+    device: str,
+    base: dict[str, str] | None = None,
+    run_dir: str | None = None,
+    tensor_parallel_size: int = 1,
 ) -> dict[str, str]:
     """Environment for vLLM: offline, no telemetry, dev endpoints for sleep/collective_rpc.
 
     With run_dir, temp files (and the sockets vLLM puts there) live in
     run_dir/tmp, a path that is the same in every pod, as a restored tree needs.
+    On CPU with tensor parallel, each rank's OpenMP threads get their own CPUs
+    (cpu_threads_bind) unless VLLM_CPU_OMP_THREADS_BIND is set already.
     """
     env = dict(os.environ if base is None else base)
     env.update(
@@ -100,6 +123,9 @@ def vllm_env(
     if device == "cpu":
         env.setdefault("VLLM_TARGET_DEVICE", "cpu")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        if tensor_parallel_size > 1:
+            bind = cpu_threads_bind(sorted(os.sched_getaffinity(0)), tensor_parallel_size)
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", bind)
     if run_dir is not None:
         env["TMPDIR"] = os.path.join(run_dir, "tmp")
     return env
@@ -107,4 +133,5 @@ def vllm_env(
 
 def vllm_command(cfg: AgentConfig) -> tuple[list[str], dict[str, str]]:
     """vLLM's argv and environment for cfg (what the agent starts and fingerprints)."""
-    return vllm_argv(vllm_options(cfg)), vllm_env(cfg.device, run_dir=cfg.run_dir)
+    env = vllm_env(cfg.device, run_dir=cfg.run_dir, tensor_parallel_size=cfg.tensor_parallel_size)
+    return vllm_argv(vllm_options(cfg)), env

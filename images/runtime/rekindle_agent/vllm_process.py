@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import threading
 from collections.abc import Sequence
 
@@ -20,6 +21,29 @@ from rekindle_agent.reaper import Reaper
 LOG_TAG = b"[vllm] "
 MAX_LINE = 16384  # a longer run without a newline is passed on in pieces
 POLL_S = 0.2
+
+
+def describe_exit(code: int | None) -> str:
+    """How vLLM's root ended, for the agent's Failed message ('' when unknown).
+
+    A SIGBUS is named with its usual cause: vLLM's shared-memory files are
+    sparse, so a /dev/shm smaller than them fails only when a write reaches a
+    page the tmpfs cannot allocate (the multimodal cache, under image load).
+    """
+    if code is None:
+        return ""
+    if code >= 0:
+        return f" (exit code {code})"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    if name == "SIGBUS":
+        return (
+            " (killed by SIGBUS: most likely a write to /dev/shm past its size; "
+            "size /dev/shm for vLLM's shared-memory caches)"
+        )
+    return f" (killed by {name})"
 
 
 class LogFollower:
@@ -163,6 +187,15 @@ class VllmProcess:
 
     def alive(self) -> bool:
         return self.root_pid is not None and proctree.alive(self.root_pid)
+
+    def exit_code(self, timeout: float = 0) -> int | None:
+        """The dead root's exit code (negative: the signal that killed it); None if unknown."""
+        if self.root_pid is None:
+            return None
+        try:
+            return self.reaper.wait(self.root_pid, timeout=timeout)
+        except TimeoutError:
+            return None
 
     def dumped(self, pids: list[int]) -> None:
         """CRIU killed the tree after a successful dump: wait until it is fully gone."""

@@ -4,7 +4,9 @@ Two paths, chosen by where the tensors live:
 
 - Host tensors (CPU serving): reader threads `preadv` the file straight into
   the tensors' own memory, one chunk each, so the only copy is the kernel's
-  page-cache copy. The GIL is released for the whole read.
+  page-cache copy. The GIL is released for the whole read. With
+  `map_file`, page-aligned chunks are mapped from the dump instead (no copy,
+  no fresh page to fault in: map_range), the rest read.
 - Device tensors (GPU), or host tensors with O_DIRECT: reader threads fill a
   ring of pinned, page-aligned host buffers and hand each to a copy engine
   (`CudaCopyEngine`: one CUDA stream per reader, asynchronous copies); a
@@ -22,7 +24,9 @@ prefetched into the page cache, after which reload can skip verification).
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import mmap as mmap_module
 import os
 import queue
 import threading
@@ -45,6 +49,8 @@ if TYPE_CHECKING:
     import torch
 
 MiB = 1 << 20
+MAP_FIXED = 0x10  # Linux, every architecture (<asm-generic/mman-common.h>)
+MADV_POPULATE_READ = 22  # Linux >= 5.14
 
 
 def default_threads(device: str = "cpu") -> int:
@@ -63,6 +69,9 @@ class ReloadOptions:
     verify: bool = True  # check each block's CRC-32 as it is read
     direct: bool = False  # O_DIRECT reads (staged path); falls back where unsupported
     staged: bool | None = None  # None: staged iff any tensor is on a device
+    # Host path: map the page-aligned part of each chunk privately from the dump over
+    # the tensor's memory instead of copying it (see map_range); the rest is read.
+    map_file: bool = False
 
     def resolved_threads(self) -> int:
         n = self.threads if self.threads is not None else default_threads()
@@ -81,6 +90,11 @@ class ReloadResult:
     verified: bool
     path: str  # "host" or "staged"
     direct: bool
+    mapped: tuple[tuple[int, int], ...] = ()  # (address, bytes) mapped from the dump (map_file)
+
+    @property
+    def mapped_bytes(self) -> int:
+        return sum(n for _, n in self.mapped)
 
     @property
     def gbps(self) -> float:
@@ -97,6 +111,7 @@ class ReloadResult:
             "verified": self.verified,
             "path": self.path,
             "direct": self.direct,
+            "mapped_bytes": self.mapped_bytes,
         }
 
 
@@ -450,10 +465,18 @@ def _open(path: str, direct: bool) -> tuple[int, bool]:
 
 
 def _host_reload(
-    index: fmt.WeightIndex, path: str, targets: _Targets, threads: int, chunk: int, verify: bool
-) -> None:
+    index: fmt.WeightIndex,
+    path: str,
+    targets: _Targets,
+    threads: int,
+    chunk: int,
+    verify: bool,
+    map_file: bool = False,
+) -> list[tuple[int, int]]:
+    """Read (or, with map_file, map where aligned) every chunk; the ranges mapped."""
     chunks = plan_chunks(index.tensors, chunk, pack=False)
     views = [host_bytes(d) for d in targets.dests]
+    mapped: list[tuple[int, int]] = []
     fd = os.open(path, os.O_RDONLY)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
@@ -462,13 +485,104 @@ def _host_reload(
             (p,) = chunks[i].pieces
             e = index.tensors[p.tensor]
             mv = views[p.tensor][p.tensor_offset : p.tensor_offset + p.length]
-            read_exact(fd, mv, p.file_offset, f"tensor {e.name!r}", path)
+            done = 0
+            if map_file:
+                addr = targets.dests[p.tensor].data_ptr() + p.tensor_offset
+                done = map_range(fd, addr, p.file_offset, p.length)
+                if done:
+                    mapped.append((addr, done))  # list.append is atomic under the GIL
+            if done < p.length:
+                read_exact(fd, mv[done:], p.file_offset + done, f"tensor {e.name!r}", path)
             if verify:
                 check_blocks(e, p.tensor_offset, mv, index.block_bytes, path)
 
-        run_threads(threads, len(chunks), work, "rekindle-read")
+        try:
+            run_threads(threads, len(chunks), work, "rekindle-read")
+        except BaseException:
+            unmap_ranges(mapped)  # a failed reload leaves no mapping behind
+            raise
     finally:
-        os.close(fd)
+        os.close(fd)  # the mappings keep the file open
+    return mapped
+
+
+# ---------------------------------------------------------------- mapping the dump
+
+PAGE = mmap_module.PAGESIZE
+_libc: ctypes.CDLL | None = None
+
+
+def _c() -> ctypes.CDLL:
+    global _libc
+    if _libc is None:
+        lib = ctypes.CDLL(None, use_errno=True)
+        lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        lib.mmap.restype = ctypes.c_void_p
+        lib.mmap.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_long,
+        ]
+        _libc = lib
+    return _libc
+
+
+def map_range(fd: int, addr: int, file_offset: int, length: int) -> int:
+    """Map file bytes [file_offset, +n) privately over memory [addr, +n); returns n.
+
+    Why: a reload into freshly allocated memory is bound by first-touch page
+    faults (docs/weights.md, "Fresh memory"); mapping the dump instead copies
+    nothing, and its pages are the page cache's own until written (weights
+    are not), shared by every process that maps them. Only whole pages can be
+    mapped: n is length rounded down to a page, and 0 (nothing done, the caller
+    reads) unless addr and file_offset are both page-aligned. The memory must be
+    the caller's own writable allocation (a tensor's storage): MAP_FIXED
+    replaces what was there.
+    """
+    n = length // PAGE * PAGE
+    if n == 0 or addr % PAGE or file_offset % PAGE:
+        return 0
+    got = _c().mmap(
+        addr,
+        n,
+        mmap_module.PROT_READ | mmap_module.PROT_WRITE,
+        mmap_module.MAP_PRIVATE | MAP_FIXED,
+        fd,
+        file_offset,
+    )
+    if got != addr:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mapping the weight dump at {addr:#x}: {os.strerror(err)}")
+    # Fill the page tables now, from this reader thread (in parallel with the others),
+    # without copying: a read populate maps the page cache's pages as they are (a write
+    # populate, or MAP_POPULATE on a writable private mapping, would copy every page).
+    # Kernels before 5.14 lack it (EINVAL): the pages then fault in on first use.
+    _c().madvise(addr, n, MADV_POPULATE_READ)
+    return n
+
+
+def unmap_ranges(ranges: Iterable[tuple[int, int]]) -> None:
+    """Turn mapped ranges back into private anonymous memory (zero-filled) in place.
+
+    Before the memory is freed or the process is checkpointed: a file mapping
+    left in a heap that the allocator reuses would tie the process (and any
+    checkpoint of it) to the dump file.
+    """
+    for addr, n in ranges:
+        got = _c().mmap(
+            addr,
+            n,
+            mmap_module.PROT_READ | mmap_module.PROT_WRITE,
+            mmap_module.MAP_PRIVATE | mmap_module.MAP_ANONYMOUS | MAP_FIXED,
+            -1,
+            0,
+        )
+        if got != addr:
+            err = ctypes.get_errno()
+            raise OSError(err, f"unmapping the weight dump at {addr:#x}: {os.strerror(err)}")
 
 
 def _staged_reload(
@@ -581,7 +695,9 @@ def load_into(
         chunk = max(index.block_bytes, chunk // index.block_bytes * index.block_bytes)
     buffers = opts.buffers if opts.buffers is not None else 2 * threads
 
-    def fill(positions: list[int], dests: list[torch.Tensor]) -> bool:
+    mapped: list[tuple[int, int]] = []
+
+    def fill(positions: list[int], dests: list[torch.Tensor], may_map: bool = True) -> bool:
         """Load the index entries at positions into dests (dense); whether O_DIRECT ran."""
         sub = _sub_index(index, positions)
         targets = _Targets(dests)
@@ -589,14 +705,17 @@ def load_into(
             return _staged_reload(
                 sub, path, targets, engine, threads, chunk, buffers, opts.verify, opts.direct
             )
-        _host_reload(sub, path, targets, threads, chunk, opts.verify)
+        mapped.extend(
+            _host_reload(sub, path, targets, threads, chunk, opts.verify, opts.map_file and may_map)
+        )
         return False
 
     dense = [i for i, t in enumerate(tensors) if is_dense(t)]
     used_direct = fill(dense, [tensors[i] for i in dense]) if dense else False
     for i in (i for i, t in enumerate(tensors) if not is_dense(t)):
         stand_in = tensors[i].new_empty(tensors[i].shape)  # dense, one at a time
-        used_direct = fill([i], [stand_in]) or used_direct
+        # Never mapped: the stand-in is freed right after (a mapping must not outlive it).
+        used_direct = fill([i], [stand_in], may_map=False) or used_direct
         tensors[i].copy_(stand_in)
         del stand_in
     return ReloadResult(
@@ -608,6 +727,7 @@ def load_into(
         verified=opts.verify,
         path="staged" if staged else "host",
         direct=used_direct,
+        mapped=tuple(sorted(mapped)),
     )
 
 

@@ -1,0 +1,303 @@
+"""How much of a checkpoint is in the page cache, and keeping it there.
+
+A restore from a cached checkpoint is several times faster than one that has
+to read the disk, so "is it cached on this node?" is the first question when a
+cold start is slow. vmtouch (installed in the runtime images and on hosts by
+scripts/python-env) answers it with mincore(2) and, with -l, keeps files in
+memory by mlock(2)ing a read-only mapping of them until it is killed.
+
+- residency(path): bytes of path (a file or a directory tree) in the page cache,
+  by vmtouch where installed, else by mincore(2) here (same answer, slower on
+  huge trees). Benches record it beside every timing; the agent reports it.
+- ResidentLock: one `vmtouch -l` child that pins the newest checkpoint's files
+  within a byte budget (the agent's --keep-resident-mb). Locked page cache is
+  charged to the pod's memory cgroup and cannot be reclaimed: the budget counts
+  against the pod's memory limit, and mlock needs CAP_IPC_LOCK (or a large
+  enough RLIMIT_MEMLOCK).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import logging
+import mmap
+import os
+import re
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from rekindle_agent.prefetch import deferred
+
+log = logging.getLogger("rekindle.residency")
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+_RESIDENT = re.compile(r"Resident Pages:\s+(\d+)/(\d+)")
+_FILES = re.compile(r"Files:\s+(\d+)")
+# How long ResidentLock waits for vmtouch to have locked everything.
+LOCK_WAIT_S = 120.0
+
+
+def vmtouch_binary() -> str | None:
+    """vmtouch on PATH, or None (residency() then uses mincore here)."""
+    return shutil.which("vmtouch")
+
+
+def parse_vmtouch(text: str) -> tuple[int, int, int]:
+    """(files, resident pages, total pages) from vmtouch's summary (no -v, no -q).
+
+    Raises ValueError when the summary is not there (a vmtouch that failed).
+    """
+    res = _RESIDENT.search(text)
+    files = _FILES.search(text)
+    if res is None or files is None:
+        raise ValueError(f"no 'Files:'/'Resident Pages:' summary in vmtouch's output: {text!r}")
+    return int(files.group(1)), int(res.group(1)), int(res.group(2))
+
+
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    return libc
+
+
+def mincore_pages(path: str | os.PathLike[str]) -> tuple[int, int]:
+    """(resident pages, total pages) of one file by mincore(2) on a read-only mapping."""
+    size = os.stat(path).st_size
+    if size == 0:
+        return 0, 0
+    pages = (size + PAGE - 1) // PAGE
+    libc = _libc()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), f"mmap of {path} failed")
+        try:
+            vec = ctypes.create_string_buffer(pages)
+            if libc.mincore(addr, size, vec) != 0:
+                raise OSError(ctypes.get_errno(), f"mincore of {path} failed")
+            return sum(b & 1 for b in vec.raw), pages
+        finally:
+            libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+
+
+def regular_files(path: str | os.PathLike[str]) -> list[Path]:
+    """path itself, or every regular file below it (links not followed), sorted."""
+    root = Path(path)
+    if root.is_file():
+        return [root]
+    return sorted(p for p in root.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def _by_mincore(path: str | os.PathLike[str]) -> tuple[int, int, int]:
+    files, resident, total = 0, 0, 0
+    for f in regular_files(path):
+        r, t = mincore_pages(f)
+        files, resident, total = files + 1, resident + r, total + t
+    return files, resident, total
+
+
+def _by_vmtouch(binary: str, path: str | os.PathLike[str]) -> tuple[int, int, int]:
+    out = subprocess.run(
+        [binary, "-F", str(path)], capture_output=True, text=True, timeout=120, check=False
+    )
+    if out.returncode != 0:
+        raise OSError(f"vmtouch {path}: exit {out.returncode}: {out.stderr.strip()[:300]}")
+    return parse_vmtouch(out.stdout)
+
+
+def residency(path: str | os.PathLike[str], tool: str = "auto") -> dict[str, Any]:
+    """How much of path (a file or a directory tree) is in the page cache now.
+
+    tool: "vmtouch", "mincore", or "auto" (vmtouch where installed). The result
+    is plain JSON: path, files, bytes (the files' size in whole pages),
+    resident_bytes, percent, tool, seconds (the cost of asking).
+    """
+    t0 = time.monotonic()
+    binary = vmtouch_binary() if tool in ("auto", "vmtouch") else None
+    if tool == "vmtouch" and binary is None:
+        raise FileNotFoundError("vmtouch is not installed: apt-get install vmtouch")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: no such file or directory")
+    files, resident, total = _by_vmtouch(binary, path) if binary else _by_mincore(path)
+    return {
+        "path": str(path),
+        "files": files,
+        "bytes": total * PAGE,
+        "resident_bytes": resident * PAGE,
+        "percent": round(100.0 * resident / total, 1) if total else 100.0,
+        "tool": "vmtouch" if binary else "mincore",
+        "seconds": round(time.monotonic() - t0, 4),
+    }
+
+
+def within_budget(files: Iterable[tuple[str, int]], budget: int) -> tuple[list[str], int]:
+    """The files to lock, in the order given, while their pages fit in budget bytes.
+
+    Callers pass the order that matters most first (the agent: the images CRIU
+    parses, then memory pages, then the weight dump, as the prefetcher reads
+    them); a file that does not fit is skipped and smaller later ones still
+    may. Returns (paths, bytes they take in whole pages).
+    """
+    chosen: list[str] = []
+    used = 0
+    for path, size in files:
+        need = -(-int(size) // PAGE) * PAGE
+        if used + need <= budget:
+            chosen.append(path)
+            used += need
+    return chosen, used
+
+
+def locked_bytes(pid: int) -> int:
+    """VmLck of pid: what it has mlock()ed (0 when the process is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmLck:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+class ResidentLock:
+    """Keeps one set of files locked in the page cache by a `vmtouch -l` child.
+
+    lock() replaces what was locked before (the newest checkpoint wins); the
+    child holds its mlock()ed mappings until release() kills it. Killing it
+    unlocks: the pages stay cached but become reclaimable again.
+    """
+
+    def __init__(self, budget_bytes: int, binary: str | None = None) -> None:
+        self.budget = budget_bytes
+        self.binary = binary or vmtouch_binary()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.root: str | None = None
+        self.files: list[str] = []
+        self.want = 0  # bytes asked for
+        self.why = ""  # what was left out, or why nothing is locked
+        self._mu = threading.Lock()
+
+    def lock(self, root: str, files: list[tuple[str, int]], wait: float = LOCK_WAIT_S) -> None:
+        """Lock files (paths relative to root, sizes) that fit the budget; wait until
+        they are locked (at most wait seconds; 0: do not wait)."""
+        with self._mu:
+            self._stop()
+            self.root = root
+            if self.binary is None:
+                self.why = "vmtouch is not installed"
+                return
+            chosen, self.want = within_budget(files, self.budget)
+            self.files = chosen
+            left = len(files) - len(chosen)
+            self.why = f"{left} file(s) over the budget left out" if left else ""
+            if not chosen:
+                self.why = f"nothing fits in the budget of {self.budget} bytes"
+                return
+            paths = [str(Path(root) / p) for p in chosen]
+            self.proc = subprocess.Popen(
+                [self.binary, "-l", "-q", "-F", *paths],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+            )
+        self.wait_locked(wait)
+
+    def wait_locked(self, timeout: float) -> bool:
+        """True once the child has locked what it was asked to (its VmLck)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            proc = self.proc
+            if proc is None:
+                return False
+            if proc.poll() is not None:
+                err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+                self.why = f"vmtouch -l exited {proc.returncode}: {err.strip()[:300]}"
+                log.warning("keep resident: %s (mlock needs CAP_IPC_LOCK)", self.why)
+                self.proc = None
+                return False
+            if locked_bytes(proc.pid) >= self.want:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+
+    def doc(self) -> dict[str, Any]:
+        """What is locked now, for the agent's status (a vmtouch that died says why)."""
+        if self.proc is not None and self.proc.poll() is not None:
+            self.wait_locked(0)
+        proc = self.proc
+        alive = proc is not None and proc.poll() is None
+        return {
+            "budget_bytes": self.budget,
+            "checkpoint": self.root,
+            "files": len(self.files) if alive else 0,
+            "locked_bytes": locked_bytes(proc.pid) if alive and proc else 0,
+            "why": self.why,
+        }
+
+    def _stop(self) -> None:
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=10)
+            self.proc = None
+        self.files = []
+        self.want = 0
+
+    def release(self) -> None:
+        with self._mu:
+            self._stop()
+            self.root = None
+
+
+def checkpoint_files(ckpt: str | os.PathLike[str]) -> list[tuple[str, int]]:
+    """ckpt's regular files (relative path, size) in the order worth keeping first:
+    the images CRIU parses, then the rest largest first (the prefetcher's order)."""
+    root = Path(ckpt)
+    out = [(str(p.relative_to(root)), p.stat().st_size) for p in regular_files(root)]
+    return sorted(out, key=lambda f: (deferred(f[0]), -f[1]))
+
+
+def follow(
+    lock: ResidentLock,
+    newest: Callable[[], tuple[str, list[tuple[str, int]]] | None],
+    stop: threading.Event,
+    every: float = 2.0,
+) -> None:
+    """Lock what newest() names whenever it changes, until stop is set.
+
+    newest() returns (checkpoint dir, files in lock order) or None while there
+    is nothing to keep (the agent is still booting or restoring).
+    """
+    while not stop.is_set():
+        try:
+            cur = newest()
+            if cur is not None and cur[0] != lock.root:
+                log.info("keep resident: locking %s (budget %d bytes)", cur[0], lock.budget)
+                lock.lock(cur[0], cur[1], wait=0)
+        except Exception:  # never take the agent down for a cache hint
+            log.exception("keep resident: locking failed")
+        stop.wait(every)
+    lock.release()

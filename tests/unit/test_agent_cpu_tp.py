@@ -1,0 +1,31 @@
+"""vLLM's CPU tensor parallel: each rank's OpenMP threads get their own CPUs."""
+
+from __future__ import annotations
+
+import pytest
+from rekindle_agent.vllm_launch import cpu_threads_bind, vllm_env
+
+
+@pytest.mark.parametrize(
+    ("cpus", "ranks", "want"),
+    [
+        ([0, 1], 2, "0|1"),
+        ([3, 2, 1, 0], 2, "0,1|2,3"),
+        ([0, 1, 2, 3, 4], 2, "0,1|2,3"),  # the left-over CPU stays free for the engine core
+        ([0, 2, 4, 6, 8, 10], 3, "0,2|4,6|8,10"),
+        ([0], 2, "nobind"),
+    ],
+)
+def test_allowed_cpus_split_into_equal_groups(cpus: list[int], ranks: int, want: str) -> None:
+    assert cpu_threads_bind(cpus, ranks) == want
+
+
+def test_only_cpu_tensor_parallel_is_bound_and_a_user_value_wins() -> None:
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in vllm_env("cpu", base={})
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in vllm_env("cuda", base={}, tensor_parallel_size=2)
+    bound = vllm_env("cpu", base={}, tensor_parallel_size=2)["VLLM_CPU_OMP_THREADS_BIND"]
+    assert bound.count("|") == 1 or bound == "nobind"
+    mine = {"VLLM_CPU_OMP_THREADS_BIND": "0-3|4-7"}
+    assert (
+        vllm_env("cpu", base=mine, tensor_parallel_size=2)["VLLM_CPU_OMP_THREADS_BIND"] == "0-3|4-7"
+    )

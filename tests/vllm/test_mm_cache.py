@@ -1,0 +1,306 @@
+"""vLLM's shared-memory multimodal processor cache, fed real images, through the agent.
+
+Each agent runs like a pod: PID 1 of a fresh PID + mount namespace whose
+/dev/shm is its own tmpfs, of the size the test chooses. The model is the
+project's generated LLaVA (rekindle_dev.vlm) with large images: 896 px in
+112 px patches is still 64 placeholder tokens per image, but each processed
+image puts 3 x 896 x 896 bf16 values (4.6 MiB) into the cache's ring buffer,
+so a few dozen requests write more than an undersized /dev/shm holds. (The
+default 224 px model writes 294 KiB per image: the same overflow would take
+over a thousand requests on this machine.)
+
+What is shown, for real:
+- an image sent twice is a hit of vLLM's own cache counters the second time,
+  with the same greedy answer;
+- the ring buffer is /dev/shm/vllm_mm_* of --mm-processor-cache-gb GiB + 32 bytes;
+- with /dev/shm as the operator sizes it (shm_sizing.shm_need) a load that writes
+  more than UNDERSIZED_SHM into the cache serves; the same load against a
+  /dev/shm of UNDERSIZED_SHM (large enough for vLLM's message queues, whose
+  start-up check passes) kills vLLM: tmpfs allocates lazily, so the writer
+  takes a SIGBUS when it touches a page past the limit;
+- a checkpoint of a server with a warm cache saves the ring buffer's written
+  pages with the other /dev/shm files; the restore recreates them before CRIU
+  maps them again, so the restored tree's cache index (in the API process's
+  memory) and the buffer agree: the same image is a hit, with the same answer,
+  and new images are cached as before.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import random
+import time
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rekindle_contract.agent_args import agent_argv
+from rekindle_dev.harness import AGENT_COMMAND, AgentFactory, AgentProc
+from rekindle_dev.vlm import TinyVlmSpec, generate_tiny_vlm
+from rekindle_operator.shm_sizing import shm_need
+from rekindle_operator.spec import parse_spec
+
+pytestmark = [pytest.mark.vllm, pytest.mark.criu]
+
+MiB = 1 << 20
+GiB = 1 << 30
+SERVED = "tiny-vlm"
+SPEC = TinyVlmSpec(image_size=896, patch_size=112)
+CACHE_GB = 0.5
+ITEM_BYTES = 3 * SPEC.image_size**2 * 2  # the processed pixels, bf16, per image
+# Above the 240 MiB vLLM checks for free before creating its largest message
+# queue (a worker's response queue), below what the fill load writes.
+UNDERSIZED_SHM = 320 * MiB
+FILL_IMAGES = UNDERSIZED_SHM * 3 // 2 // ITEM_BYTES  # writes 1.5x the undersized /dev/shm
+
+
+def sized_shm_bytes() -> int:
+    """What the operator gives /dev/shm for this model's InferenceService (its own formula)."""
+    spec = parse_spec(
+        "vlm",
+        "ns",
+        {
+            "model": {"source": "/models/tiny-vlm", "servedName": SERVED},
+            "runtime": {"device": "cpu"},
+            "multimodal": {"enabled": True, "cacheSize": f"{int(CACHE_GB * 1024)}Mi"},
+        },
+    )
+    return shm_need(spec).total
+
+
+def png_data_url(seed: int) -> str:
+    """A distinct 16x16 PNG per seed, made here (no network), as a data URL."""
+    from PIL import Image
+
+    rng = random.Random(seed)
+    img = Image.new("RGB", (16, 16))
+    img.putdata([(rng.randrange(256), rng.randrange(256), rng.randrange(256)) for _ in range(256)])
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def ask(agent: AgentProc, seed: int, max_tokens: int = 8, timeout: float = 120) -> str:
+    """A greedy chat completion about one image (sent through the agent's serve port)."""
+    body = {
+        "model": SERVED,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": png_data_url(seed)}},
+                    {"type": "text", "text": "What is in the image?"},
+                ],
+            }
+        ],
+    }
+    status, text = agent.request("POST", "/v1/chat/completions", body, timeout=timeout)
+    if status != 200:
+        raise RuntimeError(f"HTTP {status}: {text[:500]}")
+    return str(json.loads(text)["choices"][0]["message"]["content"])
+
+
+def fill(agent: AgentProc, first_seed: int, n: int = FILL_IMAGES) -> list[str]:
+    """n distinct images, 3 at a time; each outcome 'ok' or the error's text."""
+
+    def one(seed: int) -> str:
+        try:
+            ask(agent, seed, max_tokens=1, timeout=60)
+            return "ok"
+        except Exception as e:
+            return repr(e)
+
+    with ThreadPoolExecutor(3) as pool:
+        return list(pool.map(one, range(first_seed, first_seed + n)))
+
+
+def mm_counters(factory: AgentFactory) -> tuple[float, float]:
+    """(queries, hits) of vLLM's own multimodal cache counters, from vLLM's /metrics."""
+    url = f"http://127.0.0.1:{factory.vllm_port}/metrics"
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        text = resp.read().decode()
+    values = {"vllm:mm_cache_queries_total": 0.0, "vllm:mm_cache_hits_total": 0.0}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in values:
+            values[name] += float(line.rsplit(" ", 1)[1])
+    return values["vllm:mm_cache_queries_total"], values["vllm:mm_cache_hits_total"]
+
+
+def ring_buffers(agent: AgentProc) -> list[os.stat_result]:
+    """The vllm_mm_* files in the agent's own /dev/shm (seen through its mount namespace)."""
+    shm = Path(f"/proc/{agent.proc.pid}/root/dev/shm")
+    return [p.stat() for p in sorted(shm.glob("vllm_mm_*"))]
+
+
+def start_in_pod(factory: AgentFactory, name: str, shm_bytes: int, **overrides: Any) -> AgentProc:
+    """Like factory.start(), with /dev/shm a tmpfs of shm_bytes (a pod's sized emptyDir)."""
+    stem = f"{name}-{len(factory.started)}"
+    ports_file = factory.base / f"{stem}.ports.json"
+    args = factory.args(ports_file=str(ports_file), mm_shm_cache_gb=CACHE_GB, **overrides)
+    mount = f'mount -t tmpfs -o size={shm_bytes},mode=1777 shm /dev/shm && exec "$@"'
+    ns = ["unshare", "--pid", "--fork", "--mount-proc", "--mount", "--", "sh", "-c", mount, "sh"]
+    argv = [*ns, *agent_argv(args, AGENT_COMMAND)]
+    proc = AgentProc(argv, factory.base / f"{stem}.log", ports_file, factory.token, factory.env)
+    factory.started.append(proc)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def vlm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return generate_tiny_vlm(tmp_path_factory.mktemp("models") / "tiny-vlm-896", SPEC)
+
+
+def make_factory(base: Path, model: Path, criu_prefix: Path) -> AgentFactory:
+    if os.geteuid() != 0:
+        pytest.fail("the agent's vLLM tests need root (CRIU, namespaces, mounts)")
+    return AgentFactory(base, model, criu_prefix / "patched" / "criu", served_name=SERVED)
+
+
+def wait_not_ready(agent: AgentProc, timeout: float) -> str:
+    """Wait until the agent leaves Ready (its vLLM died); returns its state and message."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = agent.status()
+        if st.state != "Ready":
+            return f"{st.state}: {st.message}"
+        time.sleep(0.5)
+    return "Ready"
+
+
+def test_undersized_dev_shm_kills_vllm_under_image_load(
+    tmp_path_factory: pytest.TempPathFactory, vlm_model: Path, criu_prefix: Path
+) -> None:
+    """The failure the operator's sizing prevents: vLLM starts, then dies mid-load.
+
+    Kubernetes' default /dev/shm (64 MiB) fails vLLM's message-queue check at
+    start, loudly; a /dev/shm that passes that check but is smaller than the
+    multimodal cache fails later, when images arrive: the ring buffer is a
+    sparse file, and writing a page past the tmpfs limit is a SIGBUS.
+    """
+    factory = make_factory(tmp_path_factory.mktemp("undersized"), vlm_model, criu_prefix)
+    agent = start_in_pod(factory, "undersized", UNDERSIZED_SHM)
+    try:
+        agent.wait_ready(900)
+        (ring,) = ring_buffers(agent)
+        assert ring.st_size == int(CACHE_GB * GiB) + 32 > UNDERSIZED_SHM  # created: sparse
+        outcomes = fill(agent, first_seed=10_000)
+        state = wait_not_ready(agent, 60)
+        vllm_log = (factory.run_dir / "vllm.log").read_text(errors="replace")
+    finally:
+        agent.stop()
+        factory.stop_all()
+    assert "ok" in outcomes, "no image was served before the cache outgrew /dev/shm"
+    assert outcomes[-1] != "ok", "the whole load was served: /dev/shm was not too small"
+    # The API server (the cache's only writer) took the SIGBUS, and the agent says so.
+    assert state.startswith("Failed: vLLM exited unexpectedly (killed by SIGBUS"), (
+        state,
+        vllm_log[-3000:],
+    )
+
+
+@dataclass
+class Served:
+    agent: AgentProc
+    factory: AgentFactory
+
+
+@pytest.fixture(scope="module")
+def served(
+    tmp_path_factory: pytest.TempPathFactory, vlm_model: Path, criu_prefix: Path
+) -> Iterator[Served]:
+    """One agent in a /dev/shm sized by the operator's formula; tests below use it in order."""
+    factory = make_factory(tmp_path_factory.mktemp("sized"), vlm_model, criu_prefix)
+    agent = start_in_pod(factory, "sized", sized_shm_bytes())
+    try:
+        agent.wait_ready(900)
+        yield Served(agent, factory)
+    finally:
+        factory.stop_all()
+
+
+# Greedy answers per image seed on the booted server, compared after the restore.
+ANSWERS: dict[int, str] = {}
+
+
+def test_same_image_twice_is_a_shm_cache_hit(served: Served) -> None:
+    agent, factory = served.agent, served.factory
+    q0, h0 = mm_counters(factory)
+    first = ask(agent, 1)
+    q1, h1 = mm_counters(factory)
+    second = ask(agent, 1)
+    q2, h2 = mm_counters(factory)
+    other = ask(agent, 2)
+    assert (q1 - q0, h1 - h0) == (1, 0), "the first sight of an image is a miss"
+    assert (q2 - q1, h2 - h1) == (1, 1), "the same image again is a hit"
+    assert second == first
+    # The image reaches the model: another image gives another greedy answer.
+    assert other != first
+    ANSWERS.update({1: first, 2: other})
+
+
+def test_ring_buffer_is_in_dev_shm_at_the_configured_size(served: Served) -> None:
+    (ring,) = ring_buffers(served.agent)
+    assert ring.st_size == int(CACHE_GB * GiB) + 32  # the data, then vLLM's 32-byte header
+    # Sparse: only what images were written occupies memory (2 images so far).
+    assert 2 * ITEM_BYTES <= ring.st_blocks * 512 < 8 * ITEM_BYTES
+    shm = os.statvfs(f"/proc/{served.agent.proc.pid}/root/dev/shm")
+    assert shm.f_blocks * shm.f_frsize == sized_shm_bytes()
+
+
+def test_operator_sized_dev_shm_serves_the_load_that_kills_an_undersized_one(
+    served: Served,
+) -> None:
+    outcomes = fill(served.agent, first_seed=10_000)
+    errors = [o for o in outcomes if o != "ok"]
+    assert not errors, errors[:3]
+    (ring,) = ring_buffers(served.agent)
+    # More than the undersized /dev/shm could hold went through the buffer.
+    assert ring.st_blocks * 512 > UNDERSIZED_SHM
+    assert served.agent.status().state == "Ready"
+
+
+def test_checkpoint_and_restore_keep_a_warm_cache_consistent(
+    served: Served, tmp_path: Path
+) -> None:
+    """The ring buffer's pages travel with the checkpoint; the restored cache still hits."""
+    agent, factory = served.agent, served.factory
+    # The fill above may have evicted image 1: send it again so it is in the cache.
+    assert ask(agent, 1) == ANSWERS[1]
+    h0 = mm_counters(factory)[1]
+    assert ask(agent, 1) == ANSWERS[1]
+    assert mm_counters(factory)[1] == h0 + 1
+    (ring_before,) = ring_buffers(agent)
+
+    ckpt = factory.checkpoints / "warm"
+    man = dict(agent.client.checkpoint(str(ckpt), timeout=900))
+    saved = [f for f in man["shm_files"] if str(f["name"]).startswith("vllm_mm_")]
+    assert [f["size"] for f in saved] == [ring_before.st_size]
+    copy = ckpt / "shm" / str(saved[0]["name"])
+    assert copy.stat().st_blocks * 512 >= ITEM_BYTES  # written pages, holes kept
+    agent.stop()
+
+    restored = start_in_pod(factory, "restored", sized_shm_bytes(), checkpoint=str(ckpt))
+    st = restored.wait_ready(600)
+    assert st.origin == "restored", (st.raw, restored.tail(60))
+    assert st.last_fallback is None
+    (ring_after,) = ring_buffers(restored)
+    assert ring_after.st_size == ring_before.st_size
+    q1, h1 = mm_counters(factory)  # vLLM's counters were restored with its memory
+    assert ask(restored, 1) == ANSWERS[1]
+    q2, h2 = mm_counters(factory)
+    assert (q2 - q1, h2 - h1) == (1, 1), "the restored cache lost image 1"
+    new = ask(restored, 3)
+    assert ask(restored, 3) == new
+    q3, h3 = mm_counters(factory)
+    assert (q3 - q2, h3 - h2) == (2, 1), "a new image after the restore is not cached"
+    assert restored.status().state == "Ready"

@@ -1,0 +1,178 @@
+"""Tensor parallel on CPU (TP=2): a two-worker vLLM tree checkpointed and restored.
+
+vLLM's CPU build always runs the multiprocess executor; with
+--tensor-parallel-size 2 the engine core has two worker processes, each with
+half of every sharded weight, talking over shared-memory message queues in
+/dev/shm and a gloo process group. One boot through the agent (its checkpoint
+includes the agent's proving restore), then a restore in a fresh namespace
+like a new pod: both workers must come back with bit-identical weights, greedy
+answers must match the booted server's (one by one and as a concurrent batch),
+and /dev/shm must stay within what the operator budgets for TP=2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rekindle_contract import rpc
+from rekindle_operator.shm_sizing import shm_need
+from rekindle_operator.spec import IsvcSpec
+
+from tests.vllm.conftest import PROMPTS, AgentFactory, AgentProc
+
+pytestmark = [pytest.mark.vllm, pytest.mark.criu]
+
+TP = 2
+WORKER_TITLE = "VLLM::Worker_TP"  # vLLM's process title of a worker: VLLM::Worker_TP<rank>
+BATCH = [*PROMPTS, "Stone bridge over the river", "Memory pages of a process"]
+
+
+@dataclass
+class Served:
+    """What one server said and held: the oracle is equality."""
+
+    sequential: list[str] = field(default_factory=list)
+    batch: list[str] = field(default_factory=list)
+    digests: list[dict[str, str]] = field(default_factory=list)  # per rank
+
+
+def vllm_rpc(factory: AgentFactory, method: str) -> list[Any]:
+    """Call the worker extension on every rank through vLLM's own port (loopback)."""
+    body = json.dumps({"method": method, "args": [], "kwargs": {}}).encode()
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{factory.vllm_port}/collective_rpc",
+        data=body,
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return list(json.loads(resp.read())["results"])
+
+
+def ask(agent: AgentProc, factory: AgentFactory) -> Served:
+    out = Served(sequential=[agent.complete(p, max_tokens=16) for p in PROMPTS])
+    with ThreadPoolExecutor(len(BATCH)) as pool:
+        out.batch = list(pool.map(lambda p: agent.complete(p, max_tokens=16), BATCH))
+    # collective_rpc answers in rank order: the digests are rank 0's, then rank 1's.
+    infos = vllm_rpc(factory, rpc.WORKER_INFO)
+    assert [i["rank"] for i in infos] == list(range(TP)), infos
+    assert not any(i["released"] for i in infos), infos
+    out.digests = vllm_rpc(factory, rpc.WEIGHTS_DIGEST)
+    return out
+
+
+def tree_cmdlines(root: int) -> list[str]:
+    """Command lines (process titles) of root's descendants, from the host's /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        for child in children.get(pid, []):
+            try:
+                raw = Path(f"/proc/{child}/cmdline").read_bytes()
+            except OSError:
+                continue
+            out.append(raw.replace(b"\0", b" ").decode(errors="replace").strip())
+            todo.append(child)
+    return out
+
+
+def shm_usage(agent: AgentProc) -> tuple[int, int]:
+    """(apparent bytes, allocated bytes) of the files in the agent's private /dev/shm."""
+    shm = Path(f"/proc/{agent.proc.pid}/root/dev/shm")
+    apparent = allocated = 0
+    for p in shm.iterdir():
+        st = p.lstat()
+        apparent += st.st_size
+        allocated += st.st_blocks * 512
+    return apparent, allocated
+
+
+def shm_budget() -> int:
+    """What the operator gives /dev/shm for a CPU TP=2 text model (no multimodal cache)."""
+    spec = IsvcSpec(
+        name="tp2",
+        namespace="t",
+        model_source="/models/tiny",
+        served_name="tiny",
+        tensor_parallel_size=TP,
+        mm_shm_cache=False,
+    )
+    return shm_need(spec).total
+
+
+@pytest.fixture(scope="module")
+def factory(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, criu_prefix: Path
+) -> Iterator[AgentFactory]:
+    if os.geteuid() != 0:
+        pytest.fail("the agent's vLLM tests need root (CRIU, namespaces, mounts)")
+    f = AgentFactory(
+        tmp_path_factory.mktemp("agent-tp2"), tiny_model, criu_prefix / "patched" / "criu"
+    )
+    yield f
+    f.stop_all()
+
+
+def test_tp2_checkpoint_restore_same_answers(factory: AgentFactory) -> None:
+    budget = shm_budget()
+    agent = factory.start(name="boot-tp2", tensor_parallel_size=TP)
+    try:
+        assert agent.wait_ready(900).origin == "booted"
+        workers = [c for c in tree_cmdlines(agent.proc.pid) if c.startswith(WORKER_TITLE)]
+        assert sorted(workers) == [f"{WORKER_TITLE}{r}" for r in range(TP)], workers
+        before = ask(agent, factory)
+        booted_shm = shm_usage(agent)
+        ckpt = factory.checkpoints / "tp2"
+        manifest = agent.client.checkpoint(str(ckpt), timeout=900)
+        assert agent.wait_ready(120).origin == "restored"
+        assert ask(agent, factory) == before  # the agent's proving restore
+    except BaseException:
+        print(agent.tail(200))
+        raise
+    finally:
+        agent.stop()
+    assert manifest["weights"]["released"], manifest["weights"]
+    ranks = sorted(f["path"] for f in manifest["files"] if f["path"].startswith("weights/"))
+    assert any("rank0" in p for p in ranks) and any("rank1" in p for p in ranks), ranks
+    assert len(set(before.sequential)) > 1, before  # the prompts give different answers
+    assert before.batch[: len(PROMPTS)] == before.sequential
+    assert before.digests[0] != before.digests[1]  # each rank holds its own shard
+    print(f"/dev/shm booted: apparent {booted_shm[0]}, allocated {booted_shm[1]}, budget {budget}")
+    assert booted_shm[0] <= budget and booted_shm[1] <= budget, (booted_shm, budget)
+
+    agent = factory.start(name="restore-tp2", tensor_parallel_size=TP, checkpoint=str(ckpt))
+    try:
+        st = agent.wait_ready(300)
+        assert st.origin == "restored" and st.last_fallback is None, st.raw
+        assert "reload_weights" in st.timings["restore"], st.timings
+        workers = [c for c in tree_cmdlines(agent.proc.pid) if c.startswith(WORKER_TITLE)]
+        assert sorted(workers) == [f"{WORKER_TITLE}{r}" for r in range(TP)], workers
+        after = ask(agent, factory)
+        restored_shm = shm_usage(agent)
+    except BaseException:
+        print(agent.tail(200))
+        raise
+    finally:
+        agent.stop()
+    assert after.digests == before.digests  # both ranks reloaded bit for bit
+    assert after == before
+    print(f"/dev/shm restored: apparent {restored_shm[0]}, allocated {restored_shm[1]}")
+    assert restored_shm[0] <= budget and restored_shm[1] <= budget, (restored_shm, budget)

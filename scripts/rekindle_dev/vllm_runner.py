@@ -55,6 +55,18 @@ def complete(url: str, model: str, prompt: str, max_tokens: int = 16, timeout: f
     return str(out["choices"][0]["text"])
 
 
+def collective_rpc(port: int, method: str, timeout: float = 300) -> list[Any]:
+    """POST /collective_rpc to a vLLM on loopback (an agent's, too); the per-rank results."""
+    out = http_json(
+        "POST",
+        f"http://127.0.0.1:{port}/collective_rpc",
+        {"method": method, "args": [], "kwargs": {}},
+        timeout=timeout,
+    )
+    assert isinstance(out, dict), out
+    return list(out["results"])
+
+
 @dataclass
 class VllmServer:
     opts: VllmOptions

@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import json
 import os
-import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pytest
 from rekindle_contract import rpc
 from rekindle_dev.ladder import generate_ladder_model
+from rekindle_dev.vllm_runner import collective_rpc
 
 from tests.vllm.conftest import PROMPTS, AgentFactory, AgentProc
 
@@ -40,24 +39,11 @@ class Served:
     digest: dict[str, str] = field(default_factory=dict)
 
 
-def vllm_rpc(factory: AgentFactory, method: str) -> list[Any]:
-    """The worker extension on every rank, through vLLM's own port (loopback)."""
-    body = json.dumps({"method": method, "args": [], "kwargs": {}}).encode()
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{factory.vllm_port}/collective_rpc",
-        data=body,
-        method="POST",
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(req, timeout=300) as resp:
-        return list(json.loads(resp.read())["results"])
-
-
 def ask(agent: AgentProc, factory: AgentFactory) -> Served:
     out = Served(sequential=[agent.complete(p, max_tokens=12) for p in PROMPTS])
     with ThreadPoolExecutor(len(BATCH)) as pool:
         out.batch = list(pool.map(lambda p: agent.complete(p, max_tokens=12), BATCH))
-    (out.digest,) = vllm_rpc(factory, rpc.WEIGHTS_DIGEST)
+    (out.digest,) = collective_rpc(factory.vllm_port, rpc.WEIGHTS_DIGEST)
     return out
 
 

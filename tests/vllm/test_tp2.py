@@ -12,17 +12,15 @@ and /dev/shm must stay within what the operator budgets for TP=2.
 
 from __future__ import annotations
 
-import json
 import os
-import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pytest
 from rekindle_contract import rpc
+from rekindle_dev.vllm_runner import collective_rpc
 from rekindle_operator.shm_sizing import shm_need
 from rekindle_operator.spec import IsvcSpec
 
@@ -44,28 +42,15 @@ class Served:
     digests: list[dict[str, str]] = field(default_factory=list)  # per rank
 
 
-def vllm_rpc(factory: AgentFactory, method: str) -> list[Any]:
-    """Call the worker extension on every rank through vLLM's own port (loopback)."""
-    body = json.dumps({"method": method, "args": [], "kwargs": {}}).encode()
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{factory.vllm_port}/collective_rpc",
-        data=body,
-        method="POST",
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        return list(json.loads(resp.read())["results"])
-
-
 def ask(agent: AgentProc, factory: AgentFactory) -> Served:
     out = Served(sequential=[agent.complete(p, max_tokens=16) for p in PROMPTS])
     with ThreadPoolExecutor(len(BATCH)) as pool:
         out.batch = list(pool.map(lambda p: agent.complete(p, max_tokens=16), BATCH))
     # collective_rpc answers in rank order: the digests are rank 0's, then rank 1's.
-    infos = vllm_rpc(factory, rpc.WORKER_INFO)
+    infos = collective_rpc(factory.vllm_port, rpc.WORKER_INFO)
     assert [i["rank"] for i in infos] == list(range(TP)), infos
     assert not any(i["released"] for i in infos), infos
-    out.digests = vllm_rpc(factory, rpc.WEIGHTS_DIGEST)
+    out.digests = collective_rpc(factory.vllm_port, rpc.WEIGHTS_DIGEST)
     return out
 
 

@@ -140,39 +140,13 @@ def read_file_gbps(path: Path, threads: int, chunk: int = 8 * MiB) -> float:
 
 def cached_fraction(path: Path) -> float:
     """Share of path's pages in the page cache (mincore), to show how warm "warm" was."""
-    import ctypes
-    import mmap
+    from rekindle_agent.residency import mincore_pages
 
-    size = path.stat().st_size
-    if size == 0:
-        return 1.0
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_size_t,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_long,
-    ]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    page = mmap.PAGESIZE
-    fd = os.open(path, os.O_RDONLY)
     try:
-        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        if addr in (None, ctypes.c_void_p(-1).value):
-            return float("nan")
-        try:
-            vec = ctypes.create_string_buffer((size + page - 1) // page)
-            if libc.mincore(ctypes.c_void_p(addr), size, vec) != 0:
-                return float("nan")
-            return sum(b & 1 for b in vec.raw) / len(vec.raw)
-        finally:
-            libc.munmap(ctypes.c_void_p(addr), size)
-    finally:
-        os.close(fd)
+        resident, total = mincore_pages(path)
+    except OSError:
+        return float("nan")
+    return resident / total if total else 1.0
 
 
 def h2d_pinned_gbps(total: int, device: str) -> float:

@@ -19,7 +19,14 @@ from typing import Any
 import pytest
 from rekindle_dev.harness import AgentFactory, AgentProc
 
-__all__ = ["PROMPTS", "AgentFactory", "AgentProc", "edit_manifest", "shadow_checkpoint"]
+__all__ = [
+    "PROMPTS",
+    "AgentFactory",
+    "AgentProc",
+    "edit_manifest",
+    "factory_for",
+    "shadow_checkpoint",
+]
 
 PROMPTS = [
     "The river",
@@ -32,15 +39,28 @@ PROMPTS = [
 ]
 
 
+def factory_for(
+    tmp_path_factory: pytest.TempPathFactory,
+    name: str,
+    model: Path,
+    criu_prefix: Path,
+    served_name: str = "tiny",
+) -> Iterator[AgentFactory]:
+    """The body of every AgentFactory fixture: root check, patched CRIU, stop all at the end."""
+    if os.geteuid() != 0:
+        pytest.fail("the agent's vLLM tests need root (CRIU, namespaces, mounts)")
+    f = AgentFactory(
+        tmp_path_factory.mktemp(name), model, criu_prefix / "patched" / "criu", served_name
+    )
+    yield f
+    f.stop_all()
+
+
 @pytest.fixture(scope="session")
 def agent_factory(
     tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, criu_prefix: Path
 ) -> Iterator[AgentFactory]:
-    if os.geteuid() != 0:
-        pytest.fail("the agent's vLLM tests need root (CRIU, namespaces, mounts)")
-    f = AgentFactory(tmp_path_factory.mktemp("agent"), tiny_model, criu_prefix / "patched" / "criu")
-    yield f
-    f.stop_all()
+    yield from factory_for(tmp_path_factory, "agent", tiny_model, criu_prefix)
 
 
 def shadow_checkpoint(src: Path, dst: Path) -> Path:

@@ -21,7 +21,6 @@ proves, with vLLM's own counters (`vllm:prefix_cache_queries` and
 from __future__ import annotations
 
 import json
-import os
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -32,7 +31,7 @@ from typing import Any
 import pytest
 from rekindle_dev.smollm2 import generate_smollm2
 
-from tests.vllm.conftest import AgentFactory, AgentProc
+from tests.vllm.conftest import AgentFactory, AgentProc, factory_for
 
 pytestmark = [pytest.mark.vllm]
 
@@ -170,13 +169,7 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def factory(
     tmp_path_factory: pytest.TempPathFactory, smollm2: Path, criu_prefix: Path
 ) -> Iterator[AgentFactory]:
-    if os.geteuid() != 0:
-        pytest.fail("the agent's vLLM tests need root (CRIU, namespaces, mounts)")
-    f = AgentFactory(
-        tmp_path_factory.mktemp("agent-kv"), smollm2, criu_prefix / "patched" / "criu", SERVED
-    )
-    yield f
-    f.stop_all()
+    yield from factory_for(tmp_path_factory, "agent-kv", smollm2, criu_prefix, SERVED)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ booted one did.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ from rekindle_contract import rpc
 from rekindle_dev.ladder import generate_ladder_model
 from rekindle_dev.vllm_runner import collective_rpc
 
-from tests.vllm.conftest import PROMPTS, AgentFactory, AgentProc
+from tests.vllm.conftest import PROMPTS, AgentFactory, AgentProc, factory_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.criu]
 
@@ -57,13 +56,7 @@ def ladder_model() -> Path:
 def factory(
     tmp_path_factory: pytest.TempPathFactory, ladder_model: Path, criu_prefix: Path
 ) -> Iterator[AgentFactory]:
-    if os.geteuid() != 0:
-        pytest.fail("the agent's vLLM tests need root (CRIU, namespaces, mounts)")
-    f = AgentFactory(
-        tmp_path_factory.mktemp("agent-ladder"), ladder_model, criu_prefix / "patched" / "criu"
-    )
-    yield f
-    f.stop_all()
+    yield from factory_for(tmp_path_factory, "agent-ladder", ladder_model, criu_prefix)
 
 
 def test_model_is_the_published_shape(ladder_model: Path) -> None:

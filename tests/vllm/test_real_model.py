@@ -12,7 +12,6 @@ CPU), and a batch is sent concurrently so the restored scheduler batches them.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ import pytest
 from rekindle_agent import criu
 from rekindle_dev.smollm2 import OUTPUT_FILES, generate_smollm2
 
-from tests.vllm.conftest import AgentFactory, AgentProc
+from tests.vllm.conftest import AgentFactory, AgentProc, factory_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.criu]
 
@@ -90,13 +89,7 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def factory(
     tmp_path_factory: pytest.TempPathFactory, smollm2: Path, criu_prefix: Path
 ) -> Iterator[AgentFactory]:
-    if os.geteuid() != 0:
-        pytest.fail("the agent's vLLM tests need root (CRIU, namespaces, mounts)")
-    f = AgentFactory(
-        tmp_path_factory.mktemp("agent-smollm2"), smollm2, criu_prefix / "patched" / "criu", SERVED
-    )
-    yield f
-    f.stop_all()
+    yield from factory_for(tmp_path_factory, "agent-smollm2", smollm2, criu_prefix, SERVED)
 
 
 def test_converted_directory_is_what_vllm_reads(smollm2: Path) -> None:

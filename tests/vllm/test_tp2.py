@@ -24,7 +24,7 @@ from rekindle_dev.vllm_runner import collective_rpc
 from rekindle_operator.shm_sizing import shm_need
 from rekindle_operator.spec import IsvcSpec
 
-from tests.vllm.conftest import PROMPTS, AgentFactory, AgentProc
+from tests.vllm.conftest import PROMPTS, AgentFactory, AgentProc, factory_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.criu]
 
@@ -107,13 +107,7 @@ def shm_budget() -> int:
 def factory(
     tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, criu_prefix: Path
 ) -> Iterator[AgentFactory]:
-    if os.geteuid() != 0:
-        pytest.fail("the agent's vLLM tests need root (CRIU, namespaces, mounts)")
-    f = AgentFactory(
-        tmp_path_factory.mktemp("agent-tp2"), tiny_model, criu_prefix / "patched" / "criu"
-    )
-    yield f
-    f.stop_all()
+    yield from factory_for(tmp_path_factory, "agent-tp2", tiny_model, criu_prefix)
 
 
 def test_tp2_checkpoint_restore_same_answers(factory: AgentFactory) -> None:

@@ -35,14 +35,15 @@ def criu_prefix() -> Path:
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    """Checkpoints made by tests have immutable pages images: clear the flag so pytest
-    (and anyone) can delete its temporary directories later."""
+    """Checkpoints made by tests have immutable pages images and weight dumps: clear the
+    flag so pytest (and anyone) can delete its temporary directories later."""
     if os.geteuid() != 0:
         return
     from rekindle_agent.immutable import set_immutable
 
     base = session.config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined]
-    for img in Path(base).rglob("pages-*.img"):
+    protected = [*Path(base).rglob("pages-*.img"), *Path(base).rglob("weights-rank*")]
+    for img in protected:
         if img.is_file() and not img.is_symlink():
             with contextlib.suppress(OSError):
                 set_immutable(img, False)

@@ -6,9 +6,14 @@ names, the worker-extension RPC names, and the two command lines that must
 agree: the agent's (built by the operator) and vLLM's (built by the agent).
 """
 
-from importlib import metadata
 
-try:
-    __version__ = metadata.version("rekindle")
-except metadata.PackageNotFoundError:  # a source tree that was not installed
-    __version__ = "0+unknown"
+def __getattr__(name: str) -> str:
+    """__version__ on first use: importlib.metadata costs ~40 ms of every agent start."""
+    if name != "__version__":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from importlib import metadata
+
+    try:
+        return metadata.version("rekindle")
+    except metadata.PackageNotFoundError:  # a source tree that was not installed
+        return "0+unknown"

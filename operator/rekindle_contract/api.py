@@ -132,6 +132,9 @@ class LastCheckpoint(TypedDict, total=False):
     # How its pages images are protected for the replicas that map them:
     # "immutable" (chattr +i), or "read-only: <why not immutable>".
     images_protection: str
+    # The same for the weight dump, which reloads map only when "immutable";
+    # "none: ..." when the checkpoint has no weight dump.
+    weights_protection: str
 
 
 class RestoreMemoryDoc(TypedDict):

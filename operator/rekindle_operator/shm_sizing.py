@@ -20,7 +20,10 @@ need = message_queues + multimodal_cache + kv_offload + nccl + headroom
   the configured size.
 - nccl: NCCL's SHM transport (GPU) or the CPU backend's shared-memory
   all-reduce keeps per-rank segments when TP > 1; 192 MiB per rank (about what
-  a 16-rank node was reported to use: ~3 GB).
+  a 16-rank node was reported to use: ~3 GB). vLLM's CPU wheel has that
+  all-reduce only in its AVX-512 kernels: on a node without AVX-512 the ranks
+  all-reduce over gloo (TCP) and the term goes unused, but the operator cannot
+  tell which node a pod lands on, so it is always counted.
 - headroom: 10% of the rest, at least 256 MiB (PyTorch's own shm tensors,
   semaphores, the agent's restored copies during a checkpoint's verification).
 The total is rounded up to a multiple of 64 MiB.

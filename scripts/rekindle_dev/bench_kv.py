@@ -36,6 +36,7 @@ from rekindle_agent.vllm_control import wait_health
 from rekindle_agent.vllm_launch import vllm_env
 from rekindle_contract.vllm_argv import VllmOptions, vllm_argv
 
+from rekindle_dev.bench_common import md_table, pyplot, save_figure, spread
 from rekindle_dev.ports import free_port
 from rekindle_dev.vllm_runner import _kill_group
 
@@ -217,33 +218,31 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def table(summary: dict[str, Any]) -> str:
-    lines = [
-        "| turn | prompt tokens | reused tokens (hits) | TTFT reuse (s) | TTFT no reuse (s) "
-        "| x faster |",
-        "|---|---|---|---|---|---|",
-    ]
-    for s in summary.values():
-        if s["variant"] != "reuse":
-            continue
-        base = summary.get(f"no-reuse/{s['turn']}")
-        if base is None:
-            continue
-        lines.append(
-            f"| {s['turn'] + 1} | {s['prompt_tokens']} | {s['hits_median']} | "
-            f"{s['ttft_median']:.3f} ({s['ttft_min']:.3f}-{s['ttft_max']:.3f}) | "
-            f"{base['ttft_median']:.3f} ({base['ttft_min']:.3f}-{base['ttft_max']:.3f}) | "
-            f"{s.get('speedup', 0):.1f} |"
+    header = (
+        "turn",
+        "prompt tokens",
+        "reused tokens (hits)",
+        "TTFT reuse (s)",
+        "TTFT no reuse (s)",
+        "x faster",
+    )
+    rows = [
+        (
+            str(s["turn"] + 1),
+            str(s["prompt_tokens"]),
+            str(s["hits_median"]),
+            spread(s, "ttft_median", lo="ttft_min", hi="ttft_max"),
+            spread(base, "ttft_median", lo="ttft_min", hi="ttft_max"),
+            f"{s.get('speedup', 0):.1f}",
         )
-    return "\n".join(lines) + "\n"
+        for s in summary.values()
+        if s["variant"] == "reuse" and (base := summary.get(f"no-reuse/{s['turn']}"))
+    ]
+    return md_table(header, rows)
 
 
 def plot(summary: dict[str, Any], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 5))
+    fig, ax = pyplot().subplots(figsize=(9, 5))
     for v, style in zip(VARIANTS, ("o-", "s--"), strict=True):
         rows = [s for s in summary.values() if s["variant"] == v]
         xs = [s["prompt_tokens"] for s in rows]
@@ -260,8 +259,7 @@ def plot(summary: dict[str, Any], path: Path, title: str) -> None:
     ax.legend()
     ax.grid(alpha=0.3)
     ax.set_title(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def command_line(args: argparse.Namespace) -> str:

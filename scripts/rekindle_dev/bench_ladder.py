@@ -4,12 +4,15 @@ For each size of the ladder (rekindle_dev.ladder: real architectures, random
 bf16 weights) in one run: the model is generated (cached), one agent boots it
 and makes a signed checkpoint, then trials interleave a naive boot and a
 restore (patched CRIU, prefetch, the signature and BLAKE3 of every file
-checked: the restore users get), each with a warm and a cold page cache
+checked: the restore users get), each with a warm page cache (the checkpoint
+read once just before, untimed) and a cold one
 (`echo 3 > /proc/sys/vm/drop_caches`). Every run is the real agent as PID 1 of
 a fresh PID+mount namespace (rekindle_dev.harness), timed from launch to the
 answer of a one-token completion through the agent's proxy, with the agent's
-own phase timings (bench_local.one_run). The weight reload's rate is the
-weight dump's bytes over the agent's reload_weights phase.
+own phase timings (bench_local.one_run), the checkpoint's page-cache
+residency just before each restore and each naive boot's split from its own
+vLLM log. The weight reload's rate is the weight dump's bytes over the agent's
+reload_weights phase.
 Results: docs/bench/ladder/results.{json,md,png}.
 """
 
@@ -29,7 +32,8 @@ from typing import Any
 
 from rekindle_agent.immutable import remove_tree
 
-from rekindle_dev.bench_local import RESTORE_PHASES, drop_caches, log, one_run
+from rekindle_dev.bench_common import residency_cell
+from rekindle_dev.bench_local import RESTORE_PHASES, drop_caches, log, one_run, summarize
 from rekindle_dev.harness import AgentFactory
 from rekindle_dev.ladder import SIZES, generate_ladder_model, param_count, spec_for
 
@@ -69,6 +73,11 @@ def summarize_size(runs: list[dict[str, Any]], weights_bytes: int) -> dict[str, 
                 },
                 "mmap": any(r["mmap"] for r in rs),
             }
+            # Residency before the restores, the naive boots' own vLLM split: bench_local's.
+            local = summarize(rs)[f"{variant}/{cache}"]
+            for k in ("residency_before_percent", "vllm_split_median", "vllm_split_trials"):
+                if k in local:
+                    s[k] = local[k]
             reload = [r["phases"]["reload_weights"] for r in rs if "reload_weights" in r["phases"]]
             if reload:
                 s["reload_seconds_median"] = statistics.median(reload)
@@ -110,7 +119,9 @@ def bench_size(size: str, args: argparse.Namespace, criu: Path, key_file: Path) 
                     if cache == "cold":
                         drop_caches()
                     name = f"{variant}-{cache}-{trial}"
-                    r = one_run(factory, variant, ckpt, criu_for, name, key_file)
+                    r = one_run(
+                        factory, variant, ckpt, criu_for, name, key_file, warm=cache == "warm"
+                    )
                     r.update(cache=cache, trial=trial, load_avg=os.getloadavg())
                     runs.append(r)
                     log(f"{size} trial {trial} {variant:14s} {cache}: first token {r['ttft']:.2f}s")
@@ -133,8 +144,8 @@ def bench_size(size: str, args: argparse.Namespace, criu: Path, key_file: Path) 
 def table(results: list[dict[str, Any]]) -> str:
     lines = [
         "| size | params | checkpoint (GiB) | weights (GiB) | cache | naive (s) | restore (s) "
-        "| restore / naive | reload (s) | reload GB/s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| restore / naive | reload (s) | reload GB/s | page cache before restore (%) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for res in results:
         s, cb = res["summary"], res["checkpoint_bytes"]
@@ -148,7 +159,8 @@ def table(results: list[dict[str, Any]]) -> str:
                 f"| {n['ttft_median']:.2f} ({n['ttft_min']:.2f}-{n['ttft_max']:.2f}) "
                 f"| {r['ttft_median']:.2f} ({r['ttft_min']:.2f}-{r['ttft_max']:.2f}) "
                 f"| 1/{r['speedup_vs_naive']:.1f} | {r.get('reload_seconds_median', 0):.2f} "
-                f"| {r.get('reload_gb_per_s_median', 0):.2f} |"
+                f"| {r.get('reload_gb_per_s_median', 0):.2f} "
+                f"| {residency_cell({'variant': RESTORE, **r})} |"
             )
     lines += ["", "Median restore phases (s):", ""]
     for res in results:
@@ -157,6 +169,15 @@ def table(results: list[dict[str, Any]]) -> str:
             if r:
                 parts = ", ".join(f"{k} {v:.3f}" for k, v in r["phases_median"].items())
                 lines.append(f"- {res['size']} {cache}: {parts}")
+    splits = [
+        f"- {res['size']} {cache} (median of {n['vllm_split_trials']}): "
+        + ", ".join(f"{k} {v:.2f}" for k, v in n["vllm_split_median"].items())
+        for res in results
+        for cache in ("warm", "cold")
+        if (n := res["summary"].get(f"naive/{cache}")) and n.get("vllm_split_median")
+    ]
+    if splits:
+        lines += ["", "Naive boot split from each boot's own vLLM log (this run, s):", "", *splits]
     lines += ["", "Checkpoint phases (s, the agent's own timings):", ""]
     for res in results:
         parts = ", ".join(

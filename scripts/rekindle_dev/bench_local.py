@@ -14,10 +14,17 @@ an empty /dev/shm (rekindle_dev.harness), like a new pod:
            manifest's signature checked too. The checkpoint the bench makes is
            always signed (unsigned agents accept it), so patched-size, patched
            and patched-signed differ only in what the restore checks
-each with a warm and a cold page cache (`echo 3 > /proc/sys/vm/drop_caches`),
-for N trials, interleaved. Time to first token = agent launch to the answer of
-a one-token completion through the agent's proxy. Results: JSON, a Markdown
-table and a PNG of stacked phase bars.
+each with a warm page cache (the checkpoint read once just before, untimed:
+on a shared machine another job's drop_caches could otherwise make a warm row
+cold) and a cold one (`echo 3 > /proc/sys/vm/drop_caches`), for N trials,
+interleaved. Time to first token = agent launch to the answer of a one-token
+completion through the agent's proxy. Every restore records how
+much of the checkpoint was in the page cache just before it started
+(rekindle_agent.residency: warm should read ~100 %, cold ~0 %), and every
+naive boot its own split into phases from its vLLM log
+(bench_common.parse_vllm_log), so the report's naive split and ratios come
+from the same run. Results: JSON, a Markdown table and a PNG of stacked phase
+bars.
 """
 
 from __future__ import annotations
@@ -35,9 +42,11 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from rekindle_agent import residency
 from rekindle_agent.immutable import remove_tree
 from rekindle_contract.api import PATH_READYZ
 
+from rekindle_dev.bench_common import parse_vllm_log, residency_cell
 from rekindle_dev.harness import AgentFactory, AgentProc
 
 # The agent's settings per variant (AgentArgs fields).
@@ -61,6 +70,7 @@ RESTORE_PHASES = (
     "prefetch_wait",
     "resume",
     "health",
+    "weights_check_wait",
     "reload_weights",
     "first_token",
 )
@@ -99,7 +109,10 @@ def one_run(
     name: str,
     key_file: Path | None = None,
     tp: int = 1,
+    warm: bool = False,
 ) -> dict[str, Any]:
+    """One launch to first token; warm: read the checkpoint into the page cache first
+    (untimed), so a cache that someone else dropped meanwhile cannot pass for warm."""
     settings = dict(VARIANTS[variant])
     if tp != 1:  # vLLM's tensor-parallel ranks (on CPU, one worker process each)
         settings["tensor_parallel_size"] = tp
@@ -107,8 +120,13 @@ def one_run(
         settings["signing_key_file"] = str(key_file)
     if variant != "naive":
         settings.update(checkpoint=str(ckpt), criu=str(criu[variant]))
-    for stale in (CRIU_STATS, CRIU_LOG):  # the restore writes them anew
+    for stale in (CRIU_STATS, CRIU_LOG, VLLM_LOG):  # the run writes them anew
         (factory.run_dir / stale).unlink(missing_ok=True)
+    if warm and variant != "naive":
+        warm_checkpoint(ckpt)
+    # Before the launch, so asking costs the timed run nothing.
+    resident = None if variant == "naive" else residency_before(ckpt)
+    launched_wall = time.time()
     agent = factory.start(name=name, **settings)
     try:
         ready = wait_ready_tight(agent, 900)
@@ -132,7 +150,7 @@ def one_run(
         **phases,
         "first_request": ttft - ready,
     }
-    return {
+    out: dict[str, Any] = {
         "variant": variant,
         "ttft": ttft,
         "ready": ready,
@@ -140,10 +158,51 @@ def one_run(
         "mmap": bool(st.raw.get("restored_with_mmap")),
         "prefetch_total": flow.get("prefetch_total"),
         "criu": criu_profile(factory.run_dir) if variant != "naive" else {},
+        "load_avg": os.getloadavg(),
     }
+    if variant == "naive":
+        out["vllm_split"] = vllm_split(factory.run_dir / VLLM_LOG, launched_wall, ready)
+    else:
+        out["residency_before"] = resident
+    return out
 
 
-CRIU_STATS, CRIU_LOG = "stats-restore", "restore.log"
+CRIU_STATS, CRIU_LOG, VLLM_LOG = "stats-restore", "restore.log", "vllm.log"
+
+
+def warm_checkpoint(ckpt: Path, threads: int = 8) -> None:
+    """Read every file of the checkpoint once (sizes checked only) into the page cache."""
+    from rekindle_agent import manifest_io, prefetch
+
+    res = prefetch.Prefetcher(ckpt, manifest_io.read(ckpt)["files"], threads, "size").result()
+    if res.bad:
+        raise RuntimeError(f"reading the checkpoint failed: {res.bad[:3]}")
+
+
+def residency_before(ckpt: Path) -> dict[str, Any] | None:
+    """How much of the checkpoint is in the page cache now (None, logged, if asking fails).
+
+    A warm restore should find ~100 %, a cold one ~0 %: the number proves the
+    row's label, and a warm row that is not fully cached explains a slow one."""
+    try:
+        return residency.residency(ckpt)
+    except (OSError, ValueError, subprocess.SubprocessError) as e:
+        log(f"no residency for {ckpt}: {e}")
+        return None
+
+
+def vllm_split(log_path: Path, launched_wall: float, ready: float) -> dict[str, Any]:
+    """This naive boot's phases from its own vLLM log (bench_common.parse_vllm_log).
+
+    launched_wall: wall clock of the launch; ready: seconds from launch to Ready.
+    A log the parser cannot split gives {"error": why} instead of failing the bench."""
+    try:
+        text = log_path.read_text(errors="replace")
+        doc = parse_vllm_log(text, launched_wall, launched_wall + ready)
+    except (OSError, ValueError) as e:
+        log(f"naive boot not split: {e}")
+        return {"error": str(e)}
+    return {"phases": doc["phases"], "eager": doc["eager"], "lines": doc["lines"]}
 
 
 def criu_profile(run_dir: Path) -> dict[str, float]:
@@ -184,6 +243,26 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             },
             "mmap": any(r["mmap"] for r in rs),
         }
+        row = out[f"{key[0]}/{key[1]}"]
+        readies = [r["ready"] for r in rs if "ready" in r]
+        if readies:
+            row["ready_median"] = statistics.median(readies)
+        percents = [r["residency_before"]["percent"] for r in rs if r.get("residency_before")]
+        if percents:
+            row["residency_before_percent"] = {
+                "median": statistics.median(percents),
+                "min": min(percents),
+                "max": max(percents),
+            }
+        splits = [r["vllm_split"] for r in rs if "phases" in (r.get("vllm_split") or {})]
+        if splits:
+            names = list(dict.fromkeys(k for sp in splits for k in sp["phases"]))
+            row["vllm_split_median"] = {
+                k: round(statistics.median(sp["phases"].get(k, 0.0) for sp in splits), 3)
+                for k in names
+            }
+            row["vllm_split_trials"] = len(splits)
+            row["eager"] = all(sp["eager"] for sp in splits)
         criu_keys = list(dict.fromkeys(k for r in rs for k in r.get("criu", {})))
         if criu_keys:
             out[f"{key[0]}/{key[1]}"]["criu_median"] = {
@@ -198,10 +277,29 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def naive_split_lines(summary: dict[str, Any]) -> list[str]:
+    """The naive rows' median split from their own vLLM logs, as Markdown lines."""
+    lines: list[str] = []
+    for s in summary.values():
+        split = s.get("vllm_split_median")
+        if s["variant"] != "naive" or not split:
+            continue
+        total = s["phases_median"].get("vllm_boot", 0.0)
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in split.items())
+        lines.append(
+            f"- naive/{s['cache']} (median of {s['vllm_split_trials']}; agent's boot "
+            f"{total:.2f} s): {parts}"
+        )
+    if lines:
+        lines = ["", "Naive boot split from each boot's own vLLM log (this run, s):", "", *lines]
+    return lines
+
+
 def table(summary: dict[str, Any]) -> str:
     lines = [
-        "| variant | cache | trials | TTFT median (s) | min-max (s) | x faster than naive |",
-        "|---|---|---|---|---|---|",
+        "| variant | cache | trials | TTFT median (s) | min-max (s) | x faster than naive "
+        "| page cache before restore (%) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for s in summary.values():
         speed = f"{s['speedup_vs_naive']:.1f}" if "speedup_vs_naive" in s else "1.0"
@@ -209,12 +307,14 @@ def table(summary: dict[str, Any]) -> str:
             speed += f" ({s['vs_disk_floor']:.2f}x the disk-read floor)"
         lines.append(
             f"| {s['variant']}{' (mmap)' if s['mmap'] else ''} | {s['cache']} | {s['trials']} | "
-            f"{s['ttft_median']:.2f} | {s['ttft_min']:.2f}-{s['ttft_max']:.2f} | {speed} |"
+            f"{s['ttft_median']:.2f} | {s['ttft_min']:.2f}-{s['ttft_max']:.2f} | {speed} "
+            f"| {residency_cell(s)} |"
         )
     lines += ["", "Median phase seconds:", ""]
     for s in summary.values():
         parts = ", ".join(f"{k} {v:.3f}" for k, v in s["phases_median"].items())
         lines.append(f"- {s['variant']}/{s['cache']}: {parts}")
+    lines += naive_split_lines(summary)
     criu_rows = [s for s in summary.values() if s.get("criu_median")]
     if criu_rows:
         lines += [
@@ -346,20 +446,29 @@ def verify_cost(ckpt: Path, threads: int, trials: int) -> dict[str, Any]:
         f["crc32"] = h.hexdigest()
     out: dict[str, Any] = {"bytes": sum(int(f["size"]) for f in files), "threads": threads}
     # blake3 with the old 8 MiB reads too: the read buffer size matters (cache-resident or not).
-    kinds = [("size", prefetch.CHUNK), ("crc32", prefetch.CHUNK), ("blake3", prefetch.CHUNK)]
+    # and with every file hashed on one thread (big files are split over two now).
+    one = 1 << 62
+    kinds = [
+        ("size", prefetch.CHUNK, one),
+        ("crc32", prefetch.CHUNK, one),
+        ("blake3", prefetch.CHUNK, prefetch.SPLIT_HASH_BYTES),
+        ("blake3", prefetch.CHUNK, one),
+    ]
     if prefetch.CHUNK != 8 << 20:
-        kinds.append(("blake3", 8 << 20))
+        kinds.append(("blake3", 8 << 20, one))
     for cache in ("warm", "cold"):
         secs: dict[str, list[float]] = {}
         for _ in range(trials):  # interleaved: every kind once per trial
-            for verify, read_size in kinds:
+            for verify, read_size, split in kinds:
                 name = verify if read_size == prefetch.CHUNK else f"{verify}-{read_size >> 20}MiB"
+                if verify == "blake3" and split == one and read_size == prefetch.CHUNK:
+                    name += "-1thread"
                 if cache == "cold":
                     drop_caches()
                 else:
                     prefetch.Prefetcher(ckpt, files, threads, "size").result()  # type: ignore[arg-type]
                 t0 = time.monotonic()
-                res = prefetch.Prefetcher(ckpt, files, threads, verify, read_size).result()  # type: ignore[arg-type]
+                res = prefetch.Prefetcher(ckpt, files, threads, verify, read_size, split).result()  # type: ignore[arg-type]
                 secs.setdefault(name, []).append(time.monotonic() - t0)
                 assert not res.bad, res.bad
         for name, vals in secs.items():
@@ -428,9 +537,8 @@ def run(args: argparse.Namespace) -> int:
             for variant in order:
                 if cache == "cold":
                     drop_caches()
-                r = one_run(
-                    factory, variant, ckpt, criu, f"{variant}-{cache}-{trial}", key_file, args.tp
-                )
+                name = f"{variant}-{cache}-{trial}"
+                r = one_run(factory, variant, ckpt, criu, name, key_file, args.tp, cache == "warm")
                 r.update(cache=cache, trial=trial)
                 runs.append(r)
                 log(f"trial {trial} {variant:8s} {cache}: first token {r['ttft']:.2f}s")
@@ -443,6 +551,7 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     doc = {
         "command": command_line(args),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "host": {
             "node": platform.node(),
             "kernel": platform.release(),

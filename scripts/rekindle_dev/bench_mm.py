@@ -48,6 +48,7 @@ from rekindle_agent.vllm_control import wait_health
 from rekindle_agent.vllm_launch import vllm_env
 from rekindle_contract.vllm_argv import VllmOptions, vllm_argv
 
+from rekindle_dev.bench_common import fmt, md_table, pyplot, save_figure, spread
 from rekindle_dev.ports import free_port
 
 # vLLM's flags per configuration (the cache size is --cache-gb for shm and lru).
@@ -362,38 +363,44 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _f(s: dict[str, Any], key: str, fmt: str = "{:.3f}") -> str:
-    return fmt.format(s[key]) if s.get(key) is not None else "-"
+TABLE_HEADER = (
+    "cache",
+    "trials",
+    "TTFT median (s)",
+    "TTFT 1st sight (s)",
+    "TTFT repeat (s)",
+    "requests/s",
+    "output tokens/s",
+    "mm cache hits / queries",
+    "TTFT x vs off",
+    "throughput x vs off",
+    "load avg (1 min)",
+)
 
 
 def table(summary: dict[str, Any]) -> str:
-    lines = [
-        "| cache | trials | TTFT median (s) | TTFT 1st sight (s) | TTFT repeat (s) | "
-        "requests/s | output tokens/s | mm cache hits / queries | TTFT x vs off | "
-        "throughput x vs off | load avg (1 min) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for s in summary.values():
-        hits = f"{s.get('mm_cache_hits', 0):.0f} / {s.get('mm_cache_queries', 0):.0f}"
-        lines.append(
-            f"| {s['config']} | {s['trials']} | {_f(s, 'ttft_median')} "
-            f"({_f(s, 'ttft_median_min')}-{_f(s, 'ttft_median_max')}) | "
-            f"{_f(s, 'ttft_first_median')} | {_f(s, 'ttft_repeat_median')} | "
-            f"{_f(s, 'requests_per_s', '{:.2f}')} | {_f(s, 'tokens_per_s', '{:.1f}')} | {hits} | "
-            f"{_f(s, 'ttft_vs_off', '{:.2f}')} | {_f(s, 'throughput_vs_off', '{:.2f}')} | "
-            f"{_f(s, 'load1_median', '{:.1f}')} |"
+    rows = [
+        (
+            s["config"],
+            str(s["trials"]),
+            spread(s, "ttft_median"),
+            fmt(s.get("ttft_first_median")),
+            fmt(s.get("ttft_repeat_median")),
+            fmt(s.get("requests_per_s"), "{:.2f}"),
+            fmt(s.get("tokens_per_s"), "{:.1f}"),
+            f"{s.get('mm_cache_hits', 0):.0f} / {s.get('mm_cache_queries', 0):.0f}",
+            fmt(s.get("ttft_vs_off"), "{:.2f}"),
+            fmt(s.get("throughput_vs_off"), "{:.2f}"),
+            fmt(s.get("load1_median"), "{:.1f}"),
         )
-    return "\n".join(lines) + "\n"
+        for s in summary.values()
+    ]
+    return md_table(TABLE_HEADER, rows)
 
 
 def plot(summary: dict[str, Any], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     keys = list(summary)
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4.8))
+    fig, axes = pyplot().subplots(1, 3, figsize=(14, 4.8))
     panels = (
         ("ttft_first_median", "TTFT, first sight of an image (s)"),
         ("ttft_repeat_median", "TTFT, repeated image (s)"),
@@ -418,9 +425,7 @@ def plot(summary: dict[str, Any], path: Path, title: str) -> None:
                 fontsize=8,
                 color="white",
             )
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, title)
 
 
 def render(out: Path, doc: dict[str, Any]) -> str:

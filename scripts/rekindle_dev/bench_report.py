@@ -19,11 +19,11 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
-from datetime import datetime
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from rekindle_dev.bench_common import NAIVE_PHASES, parse_vllm_log, residency_cell
 from rekindle_dev.machine import machine
 
 # Where each benchmark writes, and the command that writes it (for a missing one).
@@ -40,98 +40,12 @@ SOURCES: dict[str, tuple[str, str]] = {
 }
 QUICK = ("naive", "warm")
 
-# vLLM 0.32's own lines during a boot: timestamps (1 s resolution) and its timers.
-_STAMP = re.compile(r"\b(?:INFO|WARNING|ERROR|DEBUG) (\d\d-\d\d \d\d:\d\d:\d\d)\b")
-MARKERS = {
-    "engine": re.compile(r"Initializing a V1 LLM engine"),
-    "load_start": re.compile(r"Starting to load model"),
-    "server": re.compile(r"Starting vLLM server on"),
-}
-TIMERS = {
-    "model_init": re.compile(r"Initializing model took ([\d.]+) s"),
-    "weights": re.compile(r"Loading weights took ([\d.]+) s"),
-    "engine_init": re.compile(r"init engine \(.*?\) took ([\d.]+) s"),
-}
-NAIVE_PHASES = (
-    ("interpreter + vLLM imports", "launch to vLLM's first log line"),
-    ("config + engine process start", "first line to 'Initializing a V1 LLM engine'"),
-    ("worker process start", "engine line to 'Starting to load model'"),
-    ("model init", "vLLM's 'Initializing model took'"),
-    ("weights load", "vLLM's 'Loading weights took'"),
-    ("load, other", "rest of the load until the engine init starts"),
-    ("profile, KV cache, warm-up", "vLLM's 'init engine (profile, create kv cache, warmup model)'"),
-    ("API server start", "engine init done to 'Starting vLLM server on'"),
-    ("routes up to Ready", "server line to the agent's Ready (uvicorn, health)"),
-)
-
 
 def log(msg: str) -> None:
     print(f"[bench report {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 # -- the naive boot, from vLLM's own log ---------------------------------------------
-
-
-def _stamp(line: str, year: int) -> float | None:
-    m = _STAMP.search(line)
-    if m is None:
-        return None
-    return datetime.strptime(f"{year}-{m.group(1)}", "%Y-%m-%d %H:%M:%S").timestamp()
-
-
-def parse_vllm_log(
-    text: str, launched: float | None = None, ready: float | None = None, year: int | None = None
-) -> dict[str, Any]:
-    """Split a naive boot into phases from vLLM's log lines and timers.
-
-    launched/ready: wall-clock seconds of the launch and of Ready (None: those
-    two phases are left out). Log timestamps have whole seconds; the timers
-    (model init, weights, engine init) are vLLM's own, to the millisecond.
-    Raises ValueError naming the first line it could not find.
-    """
-    year = year or datetime.now().year
-    first: float | None = None
-    at: dict[str, float] = {}
-    took: dict[str, float] = {}
-    lines: list[str] = []
-    for line in text.splitlines():
-        ts = _stamp(line, year)
-        if ts is None:
-            continue
-        if first is None:
-            first = ts
-        for key, rx in MARKERS.items():
-            if key not in at and rx.search(line):
-                at[key] = ts
-                lines.append(line.strip())
-        for key, rx in TIMERS.items():
-            m = rx.search(line)
-            if m and key not in took:
-                took[key] = float(m.group(1))
-                if key == "engine_init":
-                    at["engine_done"] = ts
-                lines.append(line.strip())
-    need = [*MARKERS, *TIMERS]
-    missing = [k for k in need if k not in at and k not in took]
-    if first is None or missing:
-        raise ValueError(f"vLLM log lacks {missing or 'timestamps'}: not a complete naive boot")
-    names = [n for n, _ in NAIVE_PHASES]
-    load_other = (at["engine_done"] - took["engine_init"]) - at["load_start"]
-    phases = {
-        names[1]: at["engine"] - first,
-        names[2]: at["load_start"] - at["engine"],
-        names[3]: took["model_init"],
-        names[4]: took["weights"],
-        names[5]: max(0.0, load_other - took["model_init"] - took["weights"]),
-        names[6]: took["engine_init"],
-        names[7]: max(0.0, at["server"] - at["engine_done"]),
-    }
-    if launched is not None:
-        phases = {names[0]: max(0.0, first - launched), **phases}
-    if ready is not None:
-        phases[names[8]] = max(0.0, ready - at["server"])
-    eager = "disabling torch.compile" in text
-    return {"phases": {k: round(v, 3) for k, v in phases.items()}, "eager": eager, "lines": lines}
 
 
 def one_naive_boot(factory: Any, trial: int) -> dict[str, Any]:
@@ -282,10 +196,101 @@ def embed(bench: Path, sub: str, md_names: tuple[str, ...] = ("results.md",)) ->
 # -- sections ---------------------------------------------------------------------------
 
 
+def local_naive_rows(local: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """bench local's naive rows that carry their own vLLM split (results since it is recorded)."""
+    if not local:
+        return []
+    return [
+        r
+        for r in local["summary"].values()
+        if r.get("variant") == "naive" and r.get("vllm_split_median")
+    ]
+
+
 def section_naive(bench: Path) -> str:
+    """The naive split from bench local's run when it recorded one, else the separate run."""
+    local = load(bench, "local")
+    rows = local_naive_rows(local)
+    if local and rows:
+        return section_naive_same_run(local, rows)
     doc = load(bench, "naive")
+    note = (
+        f"bench local's results (`{local['command']}`) predate the per-boot split: not "
+        "recorded there. "
+        if local
+        else ""
+    )
     if doc is None:
-        return missing("naive")
+        return note + missing("naive")
+    return (
+        f"{note}This split comes from a separate run of naive boots (`{doc['command']}`), "
+        "not from the run of the restore paths below, whose own naive rows the ratios use: "
+        "its load and its seconds differ from theirs.\n\n" + section_naive_separate(doc)
+    )
+
+
+def section_naive_same_run(local: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """Table of bench local's naive boots, split by their own vLLM logs (one column per cache)."""
+    where = dict(NAIVE_PHASES)
+    names = list(dict.fromkeys(k for r in rows for k in r["vllm_split_median"]))
+    head = ["| phase |"] + [f" {r['cache']} (median of {r['vllm_split_trials']}) |" for r in rows]
+    table = ["".join([*head, " from |"]), "|---|" + "---:|" * len(rows) + "---|"]
+    for k in names:
+        cells = "".join(f" {r['vllm_split_median'].get(k, 0.0):.2f} |" for r in rows)
+        table.append(f"| {k} |{cells} {where.get(k, '')} |")
+    ready = "".join(
+        f" **{r['ready_median']:.2f}** |" if "ready_median" in r else " - |" for r in rows
+    )
+    table.append(f"| **launch to Ready** |{ready} measured by the harness |")
+    ttft = "".join(f" {r['ttft_median']:.2f} |" for r in rows)
+    table.append(f"| launch to first token |{ttft} measured by the harness |")
+    first = rows[0]
+    starts = sum(first["vllm_split_median"].get(k, 0.0) for k, _ in NAIVE_PHASES[:3])
+    total = first.get("ready_median") or first["ttft_median"]
+    share = (
+        f"Starting the three Python processes (API server, engine core, worker) and importing "
+        f"vLLM and torch in each take {starts:.1f} s of the {total:.1f} s "
+        f"({100 * starts / total:.0f}%, {first['cache']} cache): that, not the model, is what a "
+        "restore skips for a small model."
+    )
+    eager = (
+        "vLLM's CPU build runs with --enforce-eager here: torch.compile and graph capture are "
+        "off, so there is no compile phase; warm-up is inside the engine init."
+        if all(r.get("eager") for r in rows)
+        else "torch.compile was on: its time is inside the engine init."
+    )
+    lines: list[str] = next(
+        (
+            r["vllm_split"]["lines"]
+            for r in reversed(local.get("runs", []))
+            if "lines" in (r.get("vllm_split") or {})
+        ),
+        [],
+    )
+    return "\n".join(
+        [
+            "Each naive boot of `rekindle-dev bench local` split by its own vLLM log: the same "
+            f"run as the restore paths below (`{local['command']}`, "
+            f"{local.get('date', 'date not recorded')}), so the ratios between them are within "
+            f"one run. {eager} Log timestamps have whole seconds; the timers are vLLM's own. "
+            f"Machine: {load_note(local)}.",
+            "",
+            *table,
+            "",
+            share,
+            "",
+            "The lines of the last naive boot it was read from:",
+            "",
+            "```",
+            *[ln[:200] for ln in lines],
+            "```",
+            "",
+        ]
+    )
+
+
+def section_naive_separate(doc: dict[str, Any]) -> str:
+    """The split of `rekindle-dev bench report --run naive` (naive_boot.json)."""
     rows = ["| phase | seconds | from |", "|---|---:|---|"]
     where = dict(NAIVE_PHASES)
     for k, v in doc["phases"].items():
@@ -338,15 +343,17 @@ def section_local(bench: Path) -> str:
         return missing("local")
     s = doc["summary"]
     rows = [
-        "| path | cache | first token, median s | x naive (same run) | phases, median s |",
-        "|---|---|---:|---:|---|",
+        "| path | cache | first token, median s | x naive (same run) | page cache before "
+        "restore, % | phases, median s |",
+        "|---|---|---:|---:|---:|---|",
     ]
     for r in s.values():
         ph = ", ".join(f"{k} {v:.2f}" for k, v in r.get("phases_median", {}).items() if v >= 0.005)
         speed = r.get("speedup_vs_naive")
         rows.append(
             f"| {r['variant']}{' (mmap)' if r.get('mmap') else ''} | {r['cache']} | "
-            f"{r['ttft_median']:.2f} | {f'{speed:.1f}x' if speed else '-'} | {ph} |"
+            f"{r['ttft_median']:.2f} | {f'{speed:.1f}x' if speed else '-'} | "
+            f"{residency_cell(r)} | {ph} |"
         )
     inside = [
         f"- {r['variant']} {r['cache']}: "
@@ -362,7 +369,11 @@ def section_local(bench: Path) -> str:
             "Every path runs the real agent as PID 1 of a fresh PID and mount namespace (as a "
             "new pod); first token = agent launch to the answer of a one-token completion. "
             "Warm: checkpoint in the page cache; cold: after `echo 3 > /proc/sys/vm/drop_caches`."
-            + (f" Checkpoint: {size / 2**30:.2f} GiB." if size else ""),
+            + (f" Checkpoint: {size / 2**30:.2f} GiB." if size else "")
+            + " Page cache before restore: how much of the checkpoint vmtouch (mincore) found "
+            "cached just before each restore's launch, median (min-max) over the trials; "
+            '"not recorded" for results made before the bench recorded it. '
+            + residency_sentence(s.values()),
             f"Machine: {load_note(doc)}.",
             "",
             *rows,
@@ -373,6 +384,43 @@ def section_local(bench: Path) -> str:
             "",
         ]
     )
+
+
+def residency_sentence(rows: Iterable[dict[str, Any]]) -> str:
+    """One sentence: the residency before restore per cache, or that it was not recorded
+    ("" without restore rows)."""
+    per: dict[str, list[float]] = {}
+    restores = 0
+    for r in rows:
+        if r.get("variant") in ("naive", None) or str(r.get("variant")).startswith("disk"):
+            continue
+        restores += 1
+        if r.get("residency_before_percent"):
+            per.setdefault(r["cache"], []).append(r["residency_before_percent"]["median"])
+    if not restores:
+        return ""
+    if not per:
+        return "Residency before restore: not recorded in this run."
+    parts = [f"{cache} {min(v):.1f}-{max(v):.1f} %" for cache, v in sorted(per.items())]
+    return "Residency before restore, over the restore paths' medians: " + ", ".join(parts) + "."
+
+
+def section_ladder(bench: Path) -> str:
+    """The ladder's own table, with what its run recorded of residency and the naive split."""
+    doc = load(bench, "ladder")
+    notes: list[str] = []
+    for res in (doc or {}).get("results", []):
+        s = res.get("summary", {})
+        rows = [{"variant": k.split("/")[0], "cache": k.split("/")[1], **v} for k, v in s.items()]
+        split = [r for r in rows if r["variant"] == "naive" and r.get("vllm_split_median")]
+        how = (
+            "Naive split: from each boot's own vLLM log in this run (the list after its table)."
+            if split
+            else "Naive split: not recorded in this run."
+        )
+        notes.append(f"- {res['size']}: {residency_sentence(rows) or 'No restore.'} {how}")
+    head = ["Per size, from the ladder's own results:", *notes, ""] if notes else []
+    return "\n".join([*head, section_embedded(bench, "ladder")])
 
 
 def section_cluster(bench: Path) -> str:
@@ -392,6 +440,8 @@ def section_cluster(bench: Path) -> str:
         ratio = f"First-token speedup within the run (median naive / median restore): {x:.1f}x."
     return "\n".join(
         [
+            "Page cache before restore: not recorded by this benchmark (`kubectl rekindle "
+            "status` shows each pod's). "
             "Scale 0 to 1 on the embedded local cluster, scale request to the pod's Ready and "
             f"to the first token; {doc.get('date', '')}.",
             "",
@@ -493,7 +543,9 @@ def headline(bench: Path) -> str:
                         f"; {best['vs_disk_floor']:.2f}x the cold disk-read floor "
                         f"(target {TARGET_COLD_FLOOR_X}x)"
                     )
-                out.append(line + ".")
+                cell = residency_cell(best)
+                unit = " %" if cell[:1].isdigit() else ""
+                out.append(f"{line}; page cache before that restore: {cell}{unit}.")
     cluster = load(bench, "cluster")
     if cluster and {"naive", "restore"} <= set(cluster["summary"]):
         n = cluster["summary"]["naive"]["first_token_s"]["median"]
@@ -514,12 +566,16 @@ def cold_start_plot(bench: Path, path: Path) -> bool:
     """Stacked bars: the naive boot by vLLM's phases, each restore path by the agent's."""
     naive, local = load(bench, "naive"), load(bench, "local")
     bars: list[tuple[str, dict[str, float]]] = []
-    if naive:
+    same_run = local_naive_rows(local)
+    for r in same_run:  # the naive boots of the restores' own run, split by their vLLM logs
+        bars.append((f"naive boot, vLLM log\n{r['cache']}, same run", r["vllm_split_median"]))
+    if naive and not same_run:
         la = (naive.get("machine") or {}).get("load_avg") or [0.0]
         bars.append((f"naive boot, vLLM log\n(load {float(la[0]):.0f})", naive["phases"]))
     if local:
         for r in local["summary"].values():
-            if r["variant"].startswith("disk"):
+            # Naive rows of the same run are already drawn, split by their vLLM logs.
+            if r["variant"].startswith("disk") or (same_run and r["variant"] == "naive"):
                 continue
             bars.append((f"{r['variant']}\n{r['cache']}", r.get("phases_median", {})))
     if not bars:
@@ -532,7 +588,7 @@ def cold_start_plot(bench: Path, path: Path) -> bool:
     phases = list(dict.fromkeys(p for _, ph in bars for p in ph))
     restores = [b for b in bars if not b[0].startswith("naive")]
     palette = [plt.get_cmap(name)(i) for name in ("tab20", "tab20b") for i in range(20)]
-    panels = [bars, restores] if naive and restores else [bars]
+    panels = [bars, restores] if len(restores) < len(bars) and restores else [bars]
     fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5), squeeze=False)
     for ax, group in zip(axes[0], panels, strict=True):
         for i, (_, ph) in enumerate(group):
@@ -569,7 +625,7 @@ def report(bench: Path, command: str) -> str:
             lambda: section_embedded(bench, "criu", ("bench.md",)),
         ),
         ("Weight reload", lambda: section_embedded(bench, "weights")),
-        ("Size ladder (0.5B, 1.5B, 3B)", lambda: section_embedded(bench, "ladder")),
+        ("Size ladder (0.5B, 1.5B, 3B)", lambda: section_ladder(bench)),
         ("Warming a cold checkpoint: vmtouch vs the prefetcher", lambda: section_warm(bench)),
         ("Multimodal processor cache", lambda: section_embedded(bench, "mm")),
         ("KV reuse across chat turns", lambda: section_embedded(bench, "kv")),

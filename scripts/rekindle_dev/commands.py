@@ -11,6 +11,7 @@
   rekindle-dev bench mm ...             multimodal processor cache: shm vs lru vs off
   rekindle-dev bench kv ...             TTFT per turn of a growing chat, prefix caching on/off
   rekindle-dev bench warm ...           warming a cold checkpoint: vmtouch -t vs the prefetcher
+  rekindle-dev bench kdat ...           CRIU's restore setup with and without its kdat cache
   rekindle-dev bench report [--collect] docs/benchmarks.md from every benchmark's results
 
 Each benchmark module exposes add_arguments() and run(); only this module
@@ -24,6 +25,7 @@ import sys
 from pathlib import Path
 
 from rekindle_dev import (
+    bench_kdat,
     bench_kv,
     bench_ladder,
     bench_local,
@@ -130,6 +132,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     warm = bsub.add_parser("warm", help="warming a cold checkpoint: vmtouch -t vs the prefetcher")
     bench_warm.add_arguments(warm)
     warm.set_defaults(func=bench_warm.run)
+    kdat = bsub.add_parser("kdat", help="CRIU restore setup with and without its kdat cache")
+    bench_kdat.add_arguments(kdat)
+    kdat.set_defaults(func=bench_kdat.run)
     rep = bsub.add_parser("report", help="every benchmark in docs/benchmarks.md (runs quick ones)")
     bench_report.add_arguments(rep)
     rep.set_defaults(func=bench_report.run)

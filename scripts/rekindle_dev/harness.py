@@ -9,7 +9,8 @@ everything in it.
 Ports cannot collide: every port an agent binds (serve, admin, and vLLM's,
 which must be known in advance) comes from rekindle_dev.ports, outside the
 range the kernel hands out, and the agent reports what it bound in its
---ports-file, which AgentProc reads. Not port 0 for the agent: the agents share
+--ports-file, which AgentProc reads (one left by an earlier run in a reused
+work dir is deleted first, and the agent's log restarts). Not port 0 for the agent: the agents share
 the host's network namespace (pods would not), and a restored vLLM tree
 listens again on the ephemeral ports it had (torch's and vLLM's internal
 servers), which a port-0 bind of the agent restoring it, or of any agent
@@ -69,7 +70,11 @@ class AgentProc:
         self._ports: dict[str, int] | None = None
         self._client: AgentClient | None = None
         self.launched = time.monotonic()
-        with log.open("ab") as out:
+        # A reused work dir holds the last run's files under the same names: a
+        # ports file left there would point ports() at that run's (dead, or
+        # someone else's) agent before this one wrote its own.
+        ports_file.unlink(missing_ok=True)
+        with log.open("wb") as out:
             self.proc = subprocess.Popen(
                 argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
             )
@@ -214,7 +219,12 @@ class AgentProc:
 
 
 class AgentFactory:
-    """Agents that share a model, token, vLLM port and run dir (like pods of one service)."""
+    """Agents that share a model, token, vLLM port and run dir (like pods of one service).
+
+    Unlike pods they also share the network: while one agent's vLLM holds the
+    port, another agent of the factory that boots goes Failed (the agent
+    refuses a vLLM it did not start) rather than serving the first one's.
+    """
 
     def __init__(self, base: Path, model: Path, criu: Path, served_name: str = "tiny") -> None:
         self.base = base

@@ -55,3 +55,19 @@ def test_criu_argv() -> None:
     assert rest[rest.index("-W") + 1] == "/run/r"
     assert criu.MMAP_RESTORE_FLAG in rest and rest[-2:] == ["-L", "/plug"]
     assert criu.MMAP_RESTORE_FLAG not in criu.restore_argv("/c/criu", "/i", "/l", "/p")
+
+
+def test_cpu_isa_is_compared_and_read_from_cpuinfo() -> None:
+    """A checkpoint from an AVX-512 node restored on an AVX2 node would run code the CPU
+    lacks: the fingerprint must differ, and say so."""
+    avx512 = "processor\t: 0\nflags\t\t: fpu sse avx avx2 fma avx512f avx512_bf16 amx_tile ht\n"
+    avx2 = "processor\t: 0\nflags\t\t: fpu sse avx avx2 fma ht\n"
+    assert fingerprint.cpu_isa(avx512) == "amx_tile,avx,avx2,avx512_bf16,avx512f,fma"
+    assert fingerprint.cpu_isa(avx2) == "avx,avx2,fma"
+    assert fingerprint.cpu_isa("Features\t: fp asimd sve\n") == "asimd,sve"
+    assert fingerprint.cpu_isa("nothing here\n") == ""
+    problems = fingerprint.mismatches(
+        {"cpu_isa": fingerprint.cpu_isa(avx512)}, {"cpu_isa": fingerprint.cpu_isa(avx2)}
+    )
+    assert len(problems) == 1 and problems[0].startswith("cpu_isa: checkpoint has 'amx_tile,")
+    assert fingerprint.cpu_isa() == fingerprint.cpu_isa()  # this machine: stable

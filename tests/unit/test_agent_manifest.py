@@ -42,6 +42,34 @@ def test_checksums_match_blake3(tmp_path: Path) -> None:
         assert e.get("blake3") == blake3(data).hexdigest()
 
 
+def test_prefetch_reads_the_weight_dump_last_and_apart(tmp_path: Path) -> None:
+    """The weight dump is the biggest file but gates only the reload: read after what the
+    tree needs, so resuming the tree never waits for it."""
+    root, _ = _ckpt(tmp_path)
+    (root / "weights").mkdir()
+    (root / "weights" / "weights-rank0.bin").write_bytes(b"w" * 3_000_000)
+    (root / "weights" / "weights-rank0.json").write_bytes(b"{}")
+    entries = manifest_io.checksum_files(root, manifest_io.list_files(root), threads=2)
+    pre = prefetch.Prefetcher(root, entries, threads=1)
+    assert pre.order == [
+        "images/core-1.img",
+        "images/pages-1.img",
+        "shm/psm_1",
+        "weights/weights-rank0.bin",
+        "weights/weights-rank0.json",
+    ]
+    assert prefetch.weight_paths(entries) == {
+        "weights/weights-rank0.bin",
+        "weights/weights-rank0.json",
+    }
+    assert prefetch.tree_paths(entries) | prefetch.weight_paths(entries) == {
+        e["path"] for e in entries
+    }
+    assert not prefetch.tree_paths(entries) & prefetch.weight_paths(entries)
+    assert pre.result(paths=prefetch.tree_paths(entries)).bad == []
+    assert pre.result().bad == []
+
+
 def _older(entries: list[FileEntry], root: Path) -> list[FileEntry]:
     """The same files as an older agent recorded them: sha256 and crc32, no blake3."""
     out: list[FileEntry] = []

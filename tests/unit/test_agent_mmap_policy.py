@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from rekindle_agent import immutable, mmap_policy
+from rekindle_agent import criu, immutable, mmap_policy
 from rekindle_agent.mmap_policy import decide, tree_refusals
 
 SAFE = {
@@ -75,6 +75,52 @@ def test_off_stock_and_on(tmp_path: Path) -> None:
     assert "stock CRIU" in decide("auto", False, SAFE, img, vm).why
     forced = decide("on", True, {**SAFE, "allocators": ["jemalloc"]}, img, vm)
     assert forced.use and "despite" in forced.why and "jemalloc" in forced.why
+
+
+def test_heap_mapped_only_for_a_glibc_only_tree(tmp_path: Path) -> None:
+    vm, img = sysctls(tmp_path), images(tmp_path)
+    d = decide("auto", True, SAFE, img, vm, criu_has_heap_option=True)
+    assert d.use and d.heap and "heap mapped too" in d.why and "no jemalloc" in d.why
+    # A CRIU without --mmap-restore-heap (an older patched build): the heap is read.
+    d = decide("auto", True, SAFE, img, vm)
+    assert d.use and not d.heap and "no --mmap-restore-heap" in d.why
+    # Forced on with jemalloc in the tree: memory mapped, the heap still read.
+    d = decide("on", True, {**SAFE, "allocators": ["jemalloc"]}, img, vm, criu_has_heap_option=True)
+    assert d.use and not d.heap and "heap read: the tree maps jemalloc" in d.why
+    # Nothing mapped: nothing said about the heap.
+    d = decide("off", True, SAFE, img, vm, criu_has_heap_option=True)
+    assert not d.use and not d.heap and "heap" not in d.why
+
+
+@pytest.mark.parametrize(
+    ("facts", "expect"),
+    [
+        (None, "does not record the tree's allocators"),
+        ({k: v for k, v in SAFE.items() if k != "allocators"}, "does not record"),
+        ({**SAFE, "allocators": ["mimalloc", "tcmalloc"]}, "mimalloc, tcmalloc"),
+    ],
+)
+def test_heap_read_without_the_facts_or_with_another_allocator(
+    facts: dict | None, expect: str
+) -> None:
+    heap, why = mmap_policy.heap_decision(True, facts)
+    assert not heap and why.startswith("heap read") and expect in why
+    assert mmap_policy.heap_decision(True, SAFE) == (
+        True,
+        "heap mapped too: the tree's only allocator is glibc malloc",
+    )
+
+
+def test_restore_argv_maps_the_heap_only_with_mmap() -> None:
+    both = criu.restore_argv("/c/criu", "/i", "/l", "/p", mmap=True, mmap_heap=True)
+    assert both.index(criu.MMAP_RESTORE_HEAP_FLAG) == both.index(criu.MMAP_RESTORE_FLAG) + 1
+    plain = criu.restore_argv("/c/criu", "/i", "/l", "/p", mmap=True)
+    assert criu.MMAP_RESTORE_HEAP_FLAG not in plain and criu.MMAP_RESTORE_FLAG in plain
+    copy = criu.restore_argv("/c/criu", "/i", "/l", "/p", mmap_heap=True)
+    assert criu.MMAP_RESTORE_HEAP_FLAG not in copy and criu.MMAP_RESTORE_FLAG not in copy
+    # A build without the heap option is told apart from one with it.
+    assert not criu.supports_option("  --mmap-restore   map ...\n", criu.MMAP_RESTORE_HEAP_FLAG)
+    assert criu.supports_option("  --mmap-restore-heap   with ...\n", criu.MMAP_RESTORE_HEAP_FLAG)
 
 
 def test_storage_without_pages_or_on_noexec(tmp_path: Path) -> None:

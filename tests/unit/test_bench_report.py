@@ -167,3 +167,73 @@ def test_naive_boot_median_per_phase() -> None:
     m = bench_report.median_boot([trial(1, 5, 10), trial(3, 4, 30), trial(2, 6, 20)])
     assert m["phases"] == {"x": 2, "y": 5}
     assert (m["ready_s"], m["first_token_s"], m["eager"]) == (20, 21, True)
+
+
+def _local(split: bool, resident: bool) -> dict[str, object]:
+    naive: dict[str, object] = {
+        "variant": "naive",
+        "cache": "cold",
+        "ttft_median": 31.0,
+        "phases_median": {"vllm_boot": 30.0},
+    }
+    restore: dict[str, object] = {
+        "variant": "patched-signed",
+        "cache": "cold",
+        "ttft_median": 3.1,
+        "phases_median": {"criu_restore": 1.0},
+        "speedup_vs_naive": 10.0,
+    }
+    if split:
+        naive.update(
+            vllm_split_median={"interpreter + vLLM imports": 12.0, "weights load": 3.0},
+            vllm_split_trials=2,
+            ready_median=30.5,
+            eager=True,
+        )
+    if resident:
+        restore["residency_before_percent"] = {"median": 0.5, "min": 0.0, "max": 1.0}
+    return {
+        "command": "rekindle-dev bench local --trials 2",
+        "date": "2026-11-24 07:00 UTC",
+        "host": {"node": "vm"},
+        "summary": {"naive/cold": naive, "patched-signed/cold": restore},
+        "runs": [{"variant": "naive", "vllm_split": {"phases": {}, "lines": ["INFO 11-24 x"]}}],
+    }
+
+
+def test_naive_split_and_residency_come_from_bench_locals_run(tmp_path: Path) -> None:
+    bench = tmp_path / "bench"
+    _write(bench, "local/results.json", _local(split=True, resident=True))
+    _write(bench, "report/naive_boot.json", {"phases": {"weights load": 99.0}, "command": "x"})
+    text = bench_report.report(bench, "rekindle-dev bench report --collect")
+    naive = text.split("## Naive boot")[1].split("## Restore paths")[0]
+    assert "the same run as the restore paths below (`rekindle-dev bench local --trials 2`" in naive
+    assert "| weights load | 3.00 | vLLM's 'Loading weights took' |" in naive
+    assert "| **launch to Ready** | **30.50** |" in naive
+    assert "99.00" not in naive  # the separate run is not used when the same run has it
+    assert "INFO 11-24 x" in naive
+    assert "| patched-signed | cold | 3.10 | 10.0x | 0.5 (0.0-1.0) |" in text
+    assert "Residency before restore, over the restore paths' medians: cold 0.5-0.5 %." in text
+    assert "page cache before that restore: 0.5 (0.0-1.0) %." in text
+    assert bench_report.cold_start_plot(bench, tmp_path / "c.png")
+
+
+def test_results_without_the_new_fields_say_not_recorded(tmp_path: Path) -> None:
+    bench = tmp_path / "bench"
+    _write(bench, "local/results.json", _local(split=False, resident=False))
+    _write(
+        bench,
+        "ladder/results.json",
+        {
+            "command": "rekindle-dev bench ladder",
+            "results": [
+                {"size": "0.5b", "summary": {"patched-signed/warm": {"ttft_median": 5.0}}},
+            ],
+        },
+    )
+    text = bench_report.report(bench, "rekindle-dev bench report --collect")
+    assert "predate the per-boot split: not recorded there" in text
+    assert "| patched-signed | cold | 3.10 | 10.0x | not recorded |" in text
+    assert "Residency before restore: not recorded in this run." in text
+    assert "- 0.5b: Residency before restore: not recorded in this run. Naive split: not" in text
+    assert "page cache before that restore: not recorded." in text

@@ -236,3 +236,29 @@ def test_a_lock_that_dies_says_why(tmp_path: Path) -> None:
             break
         time.sleep(0.05)
     assert "exited 1" in doc["why"] and doc["locked_bytes"] == 0 and lock.proc is None
+
+
+def test_status_residency_is_measured_at_most_every_few_seconds(tmp_path: Path) -> None:
+    """The operator polls /v1/status: one measurement serves every poll for max_age seconds."""
+    now = [100.0]
+    cache = residency.ResidencyCache(max_age=5.0, clock=lambda: now[0])
+    f = _file(tmp_path / "pages-1.img", 8)
+    _read(f, 8)
+    first = cache.get(tmp_path, tool="mincore")
+    assert first["files"] == 1
+    _file(tmp_path / "pages-2.img", 8)  # the tree grows; a fresh walk would see 2 files
+    now[0] += 4.9
+    assert cache.get(tmp_path, tool="mincore") == first  # still within max_age: reused
+    now[0] += 0.2
+    assert cache.get(tmp_path, tool="mincore")["files"] == 2  # older than max_age: measured
+    now[0] -= 50.0  # a clock that went back: never trusted, measured again
+    assert cache.get(tmp_path, tool="mincore")["files"] == 2
+
+
+def test_residency_cache_does_not_keep_errors(tmp_path: Path) -> None:
+    cache = residency.ResidencyCache(max_age=5.0, clock=lambda: 1.0)
+    with pytest.raises(FileNotFoundError):
+        cache.get(tmp_path / "ckpt", tool="mincore")
+    (tmp_path / "ckpt").mkdir()
+    _file(tmp_path / "ckpt" / "pages-1.img", 4)
+    assert cache.get(tmp_path / "ckpt", tool="mincore")["files"] == 1

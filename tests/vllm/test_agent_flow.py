@@ -291,6 +291,15 @@ def _corrupt_pages(ckpt: Path) -> None:
     target.write_bytes(bytes(data))
 
 
+def _corrupt_weights(ckpt: Path) -> None:
+    """Checked after the tree resumed (only the reload reads it): the running tree is killed."""
+    target = max((ckpt / "weights").glob("*.bin"), key=lambda p: p.stat().st_size)
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    target.unlink()
+    target.write_bytes(bytes(data))
+
+
 def _remove_core(ckpt: Path) -> None:
     next(iter(sorted((ckpt / "images").glob("core-*.img")))).unlink()
 
@@ -306,6 +315,7 @@ def _other_vllm(ckpt: Path) -> None:
     ("damage", "reason"),
     [
         (_corrupt_pages, "checksum_mismatch"),
+        (_corrupt_weights, "checksum_mismatch"),
         (_remove_core, "file_missing"),
         (_other_vllm, "fingerprint_mismatch"),
     ],

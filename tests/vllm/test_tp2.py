@@ -8,11 +8,20 @@ includes the agent's proving restore), then a restore in a fresh namespace
 like a new pod: both workers must come back with bit-identical weights, greedy
 answers must match the booted server's (one by one and as a concurrent batch),
 and /dev/shm must stay within what the operator budgets for TP=2.
+
+Which all-reduce the ranks use is asserted from the log, against what the
+host can do: vLLM's shared-memory all-reduce exists only in its AVX-512
+kernel library (vllm/_C); on a CPU without AVX-512 vLLM loads _C_AVX2, which
+lacks those ops, and each worker logs "CPU SHM communicator disabled ...
+ranks do not share the same SHM group name" (that wording covers every
+reason it is off, here the missing ops) and all-reduces over gloo.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -31,6 +40,30 @@ pytestmark = [pytest.mark.vllm, pytest.mark.criu]
 TP = 2
 WORKER_TITLE = "VLLM::Worker_TP"  # vLLM's process title of a worker: VLLM::Worker_TP<rank>
 BATCH = [*PROMPTS, "Stone bridge over the river", "Memory pages of a process"]
+# What each worker logs when vLLM's CPU shared-memory all-reduce is off for its TP group.
+SHM_OFF = "CPU SHM communicator disabled for group tp:"
+HAS_SHM_OPS = (
+    "import torch; from vllm.platforms import current_platform as p; "
+    "p.import_kernels(); print(hasattr(torch.ops._C, 'init_shm_manager'))"
+)
+
+
+def shm_allreduce_built() -> bool:
+    """Whether the kernel library vLLM loads on this CPU has the shared-memory all-reduce.
+
+    Asked of vLLM itself in a child (as a worker loads it): the AVX-512 build
+    registers init_shm_manager and its all-reduce ops, the AVX2 build does not.
+    """
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
+    out = subprocess.run(
+        [sys.executable, "-c", HAS_SHM_OPS],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    return out.stdout.strip().splitlines()[-1] == "True"
 
 
 @dataclass
@@ -112,6 +145,7 @@ def factory(
 
 def test_tp2_checkpoint_restore_same_answers(factory: AgentFactory) -> None:
     budget = shm_budget()
+    shm_on = shm_allreduce_built()
     agent = factory.start(name="boot-tp2", tensor_parallel_size=TP)
     try:
         assert agent.wait_ready(900).origin == "booted"
@@ -119,6 +153,7 @@ def test_tp2_checkpoint_restore_same_answers(factory: AgentFactory) -> None:
         assert sorted(workers) == [f"{WORKER_TITLE}{r}" for r in range(TP)], workers
         before = ask(agent, factory)
         booted_shm = shm_usage(agent)
+        shm_off_lines = agent.log.read_text(errors="replace").count(SHM_OFF)
         ckpt = factory.checkpoints / "tp2"
         manifest = agent.client.checkpoint(str(ckpt), timeout=900)
         assert agent.wait_ready(120).origin == "restored"
@@ -134,6 +169,9 @@ def test_tp2_checkpoint_restore_same_answers(factory: AgentFactory) -> None:
     assert len(set(before.sequential)) > 1, before  # the prompts give different answers
     assert before.batch[: len(PROMPTS)] == before.sequential
     assert before.digests[0] != before.digests[1]  # each rank holds its own shard
+    # Shared-memory all-reduce where vLLM's kernels have it, else every rank says gloo.
+    print(f"shared-memory all-reduce built: {shm_on}; 'disabled' lines: {shm_off_lines}")
+    assert shm_off_lines == (0 if shm_on else TP), (shm_on, shm_off_lines)
     print(f"/dev/shm booted: apparent {booted_shm[0]}, allocated {booted_shm[1]}, budget {budget}")
     assert booted_shm[0] <= budget and booted_shm[1] <= budget, (booted_shm, budget)
 
@@ -146,6 +184,7 @@ def test_tp2_checkpoint_restore_same_answers(factory: AgentFactory) -> None:
         assert sorted(workers) == [f"{WORKER_TITLE}{r}" for r in range(TP)], workers
         after = ask(agent, factory)
         restored_shm = shm_usage(agent)
+        restored_log = agent.log.read_text(errors="replace")
     except BaseException:
         print(agent.tail(200))
         raise
@@ -153,5 +192,6 @@ def test_tp2_checkpoint_restore_same_answers(factory: AgentFactory) -> None:
         agent.stop()
     assert after.digests == before.digests  # both ranks reloaded bit for bit
     assert after == before
+    assert SHM_OFF not in restored_log  # restored ranks keep their communicator: no new setup
     print(f"/dev/shm restored: apparent {restored_shm[0]}, allocated {restored_shm[1]}")
     assert restored_shm[0] <= budget and restored_shm[1] <= budget, (restored_shm, budget)

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from rekindle_agent import immutable
 from rekindle_contract import rpc
 from rekindle_dev.vllm_runner import RpcError, VllmServer, complete, running_vllm
 from rekindle_weights import format as fmt
@@ -152,7 +153,7 @@ def test_dump_that_does_not_match_is_refused_before_anything_is_written(
 
 @pytest.fixture(scope="module")
 def mapped_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    """A second server whose reloads map the dump (REKINDLE_MAP_WEIGHTS=1), with PyTorch
+    """A second server whose reloads map an immutable dump (the default), with PyTorch
     aligning its big allocations to pages (THP_MEM_ALLOC_ENABLE=1) so that they can be.
 
     SmolLM2-135M (served under the name "tiny"): the tiny model's tensors are all under
@@ -163,7 +164,7 @@ def mapped_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServ
     model = build_cached(default_cache_root(), print_progress)
     log = tmp_path_factory.mktemp("weights-vllm-map") / "vllm.log"
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("REKINDLE_MAP_WEIGHTS", "1")
+        mp.delenv("REKINDLE_MAP_WEIGHTS", raising=False)
         mp.setenv("THP_MEM_ALLOC_ENABLE", "1")
         with running_vllm(model, log) as server:
             mp.undo()  # only the server's environment
@@ -187,12 +188,19 @@ def test_mapped_reload_is_bit_exact_and_release_unmaps(
     index = fmt.read_index(tmp_path, 0)
     (info,) = s.rpc(rpc.WORKER_INFO)
     pid = info["pid"]
+    # A dump that can still change is never mapped: copied, and the answer says why.
+    (rl,) = s.rpc(rpc.RELOAD_WEIGHTS, str(tmp_path), verify="false")
+    assert rl["mapped_bytes"] == 0 and "not immutable" in rl["map"], rl
+    assert _maps_of(pid, data) == 0
+    if immutable.protect_weights(tmp_path):
+        pytest.skip("this file system has no immutable flag: nothing would be mapped")
     for _ in range(2):  # the second round releases memory that was mapped
         s.rpc(rpc.RELEASE_WEIGHTS)
         assert _maps_of(pid, data) == 0  # released memory is not a mapping of the dump
         (rl,) = s.rpc(rpc.RELOAD_WEIGHTS, str(tmp_path), verify="true")
         # The big tensors (embedding, fused gate/up: ~60 %) are mapped, the small ones read.
         assert rl["mapped_bytes"] >= 0.4 * index.data_bytes, rl
+        assert rl["map"] == "mapped where page-aligned", rl
         assert _maps_of(pid, data) > 0
         s.post("/reset_prefix_cache")
         (digest,) = s.rpc(rpc.WEIGHTS_DIGEST)
@@ -202,4 +210,11 @@ def test_mapped_reload_is_bit_exact_and_release_unmaps(
     (rl,) = s.rpc(rpc.RELOAD_WEIGHTS, str(tmp_path), verify="false")
     assert rl["mapped_bytes"] >= 0.4 * index.data_bytes
     assert _completions(s) == before
+    # The caller's off switch: copied, and the mapping of the last reload is gone.
+    (rl,) = s.rpc(rpc.RELOAD_WEIGHTS, str(tmp_path), verify="false", map_weights="false")
+    assert rl["mapped_bytes"] == 0 and rl["map"] == "copied: map_weights=false", rl
+    assert _maps_of(pid, data) == 0
+    assert _completions(s) == before
+    for p in (data, fmt.index_path(tmp_path, 0)):
+        immutable.set_immutable(p, False)  # tmp_path can be cleaned up
     assert res["bytes"] == data.stat().st_size

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import sys
 import threading
 import time
@@ -28,7 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from rekindle_contract.api import RestoreMemoryDoc, SecurityDoc, State, StatusDoc
-from rekindle_contract.manifest import IMAGES_SUBDIR, SIGNATURE_ALGORITHM, Manifest
+from rekindle_contract.manifest import (
+    IMAGES_SUBDIR,
+    SIGNATURE_ALGORITHM,
+    WEIGHTS_SUBDIR,
+    Manifest,
+)
 
 from rekindle_agent import (
     checkpoint,
@@ -180,7 +184,13 @@ class Agent:
                 f"--mmap-restore on, but {info.binary} has no "
                 f"{criu.MMAP_RESTORE_FLAG}; use the patched CRIU or --mmap-restore auto",
             )
-        return mmap_policy.decide(mode, info.mmap_restore, man.get("mmap"), ckpt / IMAGES_SUBDIR)
+        return mmap_policy.decide(
+            mode,
+            info.mmap_restore,
+            man.get("mmap"),
+            ckpt / IMAGES_SUBDIR,
+            criu_has_heap_option=info.mmap_restore_heap,
+        )
 
     # -- flows ---------------------------------------------------------------------
     def boot(self) -> None:
@@ -196,12 +206,17 @@ class Agent:
         os.makedirs(os.path.join(cfg.run_dir, "tmp"), mode=0o700, exist_ok=True)
         if os.getpid() == 1 and cfg.ns_last_pid > 0:
             set_ns_last_pid(cfg.ns_last_pid)
-        self.vllm.spawn()
+        try:
+            self.vllm.spawn()  # refuses a vLLM port someone else listens on
+        except RuntimeError as e:
+            self.set_state("Failed", f"vLLM not started: {e}")
+            raise
         if self.stopping:  # shutdown raced with the spawn
             self.vllm.kill(remove_shm=True)
             raise RuntimeError("agent is stopping")
         try:
             health = self.control.wait_health(cfg.boot_timeout, alive=self.vllm.alive)
+            self.vllm.check_own_listener()  # the answer came from our tree, not another vLLM
         except (TimeoutError, RuntimeError) as e:
             self.vllm.kill(remove_shm=True)
             self.set_state("Failed", f"vLLM did not boot: {e}; see {self.vllm.log_path}")
@@ -370,7 +385,7 @@ class Agent:
         if os.path.realpath(ckpt) != str(ckpt):  # never follow a symlink out of the root
             return f"; {ckpt} was not removed: it now resolves to {os.path.realpath(ckpt)}"
         try:
-            shutil.rmtree(ckpt)
+            immutable.remove_tree(ckpt)  # clears an immutable flag (weights, pages) first
         except OSError as e:
             log.warning("could not remove the partial checkpoint %s: %s", ckpt, e)
             return f"; the partial checkpoint {ckpt} could not be removed: {e}"
@@ -466,6 +481,7 @@ class Agent:
             self._checkpoint_failed(ckpt, err)
             raise err from e
         protection = self._protect(ckpt, man)
+        weights_protection = self._protect_weights(ckpt, man)
         self.metrics.checkpoints.labels("ok").inc()
         self.status.timings["checkpoint"] = dict(man["timings"])
         self.status.last_checkpoint = {
@@ -473,6 +489,7 @@ class Agent:
             "ok": True,
             "timings": man["timings"],
             "images_protection": protection,
+            "weights_protection": weights_protection,
         }
         return man
 
@@ -487,6 +504,22 @@ class Agent:
             return "immutable"
         log.warning("pages images of %s not immutable: %s", ckpt, "; ".join(not_immutable[:3]))
         return f"read-only: {not_immutable[0]}"
+
+    @staticmethod
+    def _protect_weights(ckpt: Path, man: Manifest) -> str:
+        """Proven: the weight dump immutable too, where the file system can.
+
+        A reload maps the dump only when its data file carries the flag
+        (weights_map.map_choice), so "read-only: ..." here means later restores from
+        this checkpoint copy the weights instead of mapping them.
+        """
+        if not man["weights"].get("released"):
+            return "none: no weight dump"
+        failed = immutable.protect_weights(ckpt / WEIGHTS_SUBDIR)
+        if not failed:
+            return "immutable"
+        log.warning("weight dump of %s not immutable: %s", ckpt, "; ".join(failed[:3]))
+        return f"read-only: {failed[0]} (restores copy the weights, none maps them)"
 
     def _dump(self, ckpt: Path) -> Manifest:
         try:

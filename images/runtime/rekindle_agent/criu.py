@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 COMMON_FLAGS = ("--shell-job", "--tcp-established", "--ext-unix-sk", "--link-remap", "--file-locks")
 MMAP_RESTORE_FLAG = "--mmap-restore"
+# With --mmap-restore, map the heap (brk area) too; only for glibc-malloc-only trees.
+MMAP_RESTORE_HEAP_FLAG = "--mmap-restore-heap"
 LEAVE_STOPPED_FLAG = "--leave-stopped"
 
 
@@ -38,6 +40,7 @@ class CriuInfo:
     binary: str
     version: str | None
     mmap_restore: bool
+    mmap_restore_heap: bool = False
 
 
 def parse_version(text: str) -> str | None:
@@ -64,6 +67,7 @@ def probe(binary: str) -> CriuInfo:
         binary=binary,
         version=parse_version(ver.stdout + ver.stderr),
         mmap_restore=supports_option(help_text, MMAP_RESTORE_FLAG),
+        mmap_restore_heap=supports_option(help_text, MMAP_RESTORE_HEAP_FLAG),
     )
 
 
@@ -84,10 +88,12 @@ def restore_argv(
     mmap: bool = False,
     plugins: str | None = None,
     stopped: bool = False,
+    mmap_heap: bool = False,
 ) -> list[str]:
     """Detached (-d): CRIU exits once the tree is in place; the root is re-parented to the
     agent. stopped: every task is left stopped (SIGSTOP) until the agent sends SIGCONT.
-    The work dir (stats-restore) is the log's directory: the images are read-only."""
+    The work dir (stats-restore) is the log's directory: the images are read-only.
+    mmap_heap (with mmap only): map the heap too (mmap_policy.heap_decision)."""
     argv = [
         binary,
         "restore",
@@ -105,6 +111,8 @@ def restore_argv(
     ]
     if mmap:
         argv.append(MMAP_RESTORE_FLAG)
+        if mmap_heap:
+            argv.append(MMAP_RESTORE_HEAP_FLAG)
     if stopped:
         argv.append(LEAVE_STOPPED_FLAG)
     if plugins:

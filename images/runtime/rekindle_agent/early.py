@@ -4,8 +4,8 @@ Importing aiohttp and starting the servers takes the agent about a second
 (more on a cold page cache); reading the checkpoint's images takes seconds
 more when they are not cached. So `rekindle agent` creates an EarlyStart first
 thing, which starts the prefetch (and the CRIU feature probe and the
-fingerprint of this environment), and hands it to the Agent: the restore picks
-up what is already running.
+fingerprint of this environment, and CRIU's kernel-feature cache: kdat_cache),
+and hands it to the Agent: the restore picks up what is already running.
 
 The prefetch starts only from a manifest that passed manifest_io.read (its
 signature with the signing key, its structure, paths and modes), and the
@@ -15,6 +15,7 @@ restore then checks that same manifest, not a second read of the file.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -23,12 +24,17 @@ from typing import Any, TypeVar
 
 from rekindle_contract.manifest import Manifest
 
-from rekindle_agent import criu, fingerprint, manifest_io, prefetch
+from rekindle_agent import criu, fingerprint, kdat_cache, manifest_io, prefetch
 from rekindle_agent.config import AgentConfig
 from rekindle_agent.vllm_launch import vllm_command
 
 log = logging.getLogger("rekindle.early")
 T = TypeVar("T")
+# "off" keeps CRIU probing the kernel on every run (to compare, or to rule the cache out).
+KDAT_CACHE_ENV = "REKINDLE_KDAT_CACHE"
+# How long a CRIU run waits for its kdat cache: installing one takes milliseconds,
+# making one (first run on a boot) about 0.1 s; past this CRIU just probes.
+KDAT_WAIT_S = 3.0
 
 
 def _in_background(name: str, fn: Callable[..., T], *args: Any) -> Future[T]:
@@ -47,6 +53,8 @@ class EarlyStart:
         self._prefetchers: dict[str, tuple[Manifest, prefetch.Prefetcher]] = {}
         self._probes: dict[str, Future[criu.CriuInfo]] = {}
         self._fingerprint: Future[dict[str, Any]] | None = None
+        self._kdat: dict[str, Future[kdat_cache.Outcome]] = {}
+        self._kdat_waited: set[str] = set()
 
     def begin(self, cfg: AgentConfig) -> None:
         """Start prefetching cfg's checkpoint (if it will be restored), probing its CRIU and
@@ -56,6 +64,13 @@ class EarlyStart:
         with self._lock:
             if cfg.criu not in self._probes:
                 self._probes[cfg.criu] = _in_background("criu-probe", criu.probe, cfg.criu)
+            if cfg.criu not in self._kdat and os.environ.get(KDAT_CACHE_ENV, "") != "off":
+                cache_dir = cfg.checkpoint_root or (
+                    str(Path(cfg.checkpoint).parent) if cfg.checkpoint else None
+                )
+                self._kdat[cfg.criu] = _in_background(
+                    "kdat", kdat_cache.prepare, cfg.criu, cache_dir, self.signing_key
+                )
             if self._fingerprint is None:
                 argv, env = vllm_command(cfg)
                 self._fingerprint = _in_background(
@@ -80,11 +95,36 @@ class EarlyStart:
             return self._prefetchers.pop(str(ckpt), None)
 
     def criu_info(self, binary: str) -> criu.CriuInfo:
-        """What binary can do: from the probe started early, or one started now (cached)."""
+        """What binary can do: from the probe started early, or one started now (cached).
+
+        Callers run CRIU next, so this also waits (briefly) for the kdat cache begin()
+        started for binary: CRIU then skips its kernel probe.
+        """
         with self._lock:
             fut = self._probes.get(binary)
             if fut is None:
                 fut = self._probes[binary] = _in_background("criu-probe", criu.probe, binary)
+            kdat = None if binary in self._kdat_waited else self._kdat.get(binary)
+            self._kdat_waited.add(binary)
+        info = fut.result()
+        if kdat is not None:
+            self._log_kdat(kdat)
+        return info
+
+    def _log_kdat(self, fut: Future[kdat_cache.Outcome]) -> None:
+        try:
+            out = fut.result(timeout=KDAT_WAIT_S)
+        except Exception as e:  # a cache must never stop a restore or a checkpoint
+            log.warning("CRIU kdat cache not ready, CRIU probes the kernel: %s", e)
+            return
+        log.info("CRIU kdat cache %s %s (%s)", out.action, out.path, out.detail)
+
+    def kdat_outcome(self, binary: str) -> kdat_cache.Outcome | None:
+        """What the kdat cache step for binary did, once done (None if not started or running)."""
+        with self._lock:
+            fut = self._kdat.get(binary)
+        if fut is None or not fut.done() or fut.exception() is not None:
+            return None
         return fut.result()
 
     def fingerprint(self) -> dict[str, Any] | None:

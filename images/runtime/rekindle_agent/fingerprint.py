@@ -24,7 +24,6 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Mapping
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +37,7 @@ STRICT_KEYS = (
     "torch",
     "python",
     "machine",
+    "cpu_isa",
     "model_digest",
     "vllm_argv",
     "device",
@@ -85,6 +85,8 @@ EDGE = 1 << 20
 
 
 def package_version(*names: str) -> str | None:
+    from importlib import metadata  # here: ~40 ms an agent start need not pay
+
     for name in names:
         try:
             return metadata.version(name)
@@ -209,6 +211,51 @@ def python_env_digest(paths: list[str] | None = None) -> str:
     return hashlib.sha256("\n".join(sorted(rows)).encode()).hexdigest()
 
 
+# The instruction sets that pick compiled code: vLLM's CPU build loads a different
+# kernel library with or without AVX-512 (and BF16), oneDNN JIT-compiles for AMX or
+# AVX-512 when it finds them, and that code is in the checkpoint's memory. A tree
+# restored on a CPU without them dies of SIGILL in its first request.
+ISA_FLAGS = frozenset(
+    {
+        "avx",
+        "avx2",
+        "fma",
+        "f16c",
+        "avx_vnni",
+        "avx512f",
+        "avx512bw",
+        "avx512vl",
+        "avx512dq",
+        "avx512_bf16",
+        "avx512_fp16",
+        "avx512_vnni",
+        "amx_tile",
+        "amx_bf16",
+        "amx_int8",
+        # aarch64 (the Features line)
+        "asimd",
+        "sve",
+        "sve2",
+        "bf16",
+        "i8mm",
+    }
+)
+
+
+def cpu_isa(cpuinfo: str | None = None) -> str:
+    """The CPU's ISA_FLAGS as one sorted string (first CPU listed; "" where unreadable)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return ""
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() in ("flags", "Features"):
+            return ",".join(sorted(ISA_FLAGS & set(value.split())))
+    return ""
+
+
 def collect(
     model_dir: str,
     vllm_argv: list[str],
@@ -224,6 +271,7 @@ def collect(
         "torch": package_version("torch"),
         "python": platform.python_version(),
         "machine": platform.machine(),
+        "cpu_isa": cpu_isa(),
         "model_digest": model_fingerprint(model_dir),
         "vllm_argv": normalize_argv(vllm_argv),
         "device": device,

@@ -1,8 +1,9 @@
-"""The immutable attribute (chattr +i) on a checkpoint's pages images, and removal past it.
+"""The immutable attribute (chattr +i) on a checkpoint's mapped files, and removal past it.
 
-Restored processes map pages-*.img for their whole life: a write, truncate or
-rename over the file would change or kill their memory, and root ignores file
-modes. The immutable flag stops every writer, root included, until someone
+Restored processes map pages-*.img, and a reloaded vLLM worker maps the
+weight dump (weights/weights-rank*.bin), for their whole life: a write,
+truncate or rename over the file would change or kill their memory, and root
+ignores file modes. The immutable flag stops every writer, root included, until someone
 with CAP_LINUX_IMMUTABLE clears it, which only the checkpoint's deletion
 does. File systems without the flag (for example NFS, older tmpfs) keep the
 0400 mode only; the caller reports that.
@@ -74,8 +75,22 @@ def is_immutable(path: Path) -> bool:
 
 def protect_pages(images: Path) -> list[str]:
     """chattr +i on every pages-*.img; returns what could not be protected, and why."""
+    return _protect(sorted(images.glob("pages-*.img")))
+
+
+def protect_weights(weights: Path) -> list[str]:
+    """chattr +i on every file of the weight dump (data and index); what could not be, and why.
+
+    A reload may map the dump's data file into the server's memory (privately,
+    for the server's life), like the mmap restore maps pages images: the same
+    protection, and the reload maps only a dump whose data file carries the flag.
+    """
+    return _protect(sorted(p for p in weights.glob("weights-rank*") if p.is_file()))
+
+
+def _protect(paths: list[Path]) -> list[str]:
     failed = []
-    for p in sorted(images.glob("pages-*.img")):
+    for p in paths:
         try:
             if not set_immutable(p):
                 failed.append(f"{p.name}: the file system has no immutable flag")

@@ -11,6 +11,11 @@ count that the split mappings would push past vm.max_map_count. So the agent
 records those facts for the whole tree when it dumps (in the signed
 manifest), checks the storage and the node when it restores, and maps only
 when every check passes; the status says which way it went and why.
+
+The heap (the brk area) is a second, narrower decision (heap_decision): CRIU
+maps it only when asked (--mmap-restore-heap), and the agent asks only when the
+dumped tree's allocators are glibc malloc's alone, whose main arena never counts
+on zeros after MADV_DONTNEED (criu-patches/README.md).
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ class Decision:
 
     use: bool
     why: str
+    heap: bool = False  # the heap (brk area) is mapped too: --mmap-restore-heap
 
     @property
     def path(self) -> Literal["mmap", "copy"]:
@@ -177,15 +183,45 @@ def storage_refusals(images: Path) -> list[str]:
     return out
 
 
+def heap_decision(criu_has_heap_option: bool, facts: dict[str, Any] | None) -> tuple[bool, str]:
+    """Whether a mapped restore maps the heap too, and why. Only glibc malloc's main
+    arena is known not to count on zeros after MADV_DONTNEED in the brk area; another
+    allocator in the tree, or a manifest that does not say, keeps the heap read."""
+    if not criu_has_heap_option:
+        return False, "heap read: this CRIU has no --mmap-restore-heap"
+    if facts is None or "allocators" not in facts:
+        return False, "heap read: the checkpoint does not record the tree's allocators"
+    if facts["allocators"]:
+        return False, f"heap read: the tree maps {', '.join(facts['allocators'])}"
+    return True, "heap mapped too: the tree's only allocator is glibc malloc"
+
+
 def decide(
     mode: str,
     criu_has_option: bool,
     facts: dict[str, Any] | None,
     images: Path,
     sys_vm: Path = SYS_VM,
+    criu_has_heap_option: bool = False,
 ) -> Decision:
     """The restore's path. auto maps only when every check passes; on maps whenever
-    CRIU can (an expert's override: the checks' findings are still reported); off never."""
+    CRIU can (an expert's override: the checks' findings are still reported); off never.
+    A mapped restore maps the heap too when heap_decision() allows it."""
+    decision = _decide_mapping(mode, criu_has_option, facts, images, sys_vm)
+    if not decision.use:
+        return decision
+    heap, heap_why = heap_decision(criu_has_heap_option, facts)
+    return Decision(True, f"{decision.why}; {heap_why}", heap)
+
+
+def _decide_mapping(
+    mode: str,
+    criu_has_option: bool,
+    facts: dict[str, Any] | None,
+    images: Path,
+    sys_vm: Path,
+) -> Decision:
+    """decide() without the heap: whether anything is mapped."""
     if mode == "off":
         return Decision(False, "--mmap-restore off")
     if not criu_has_option:

@@ -24,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rekindle_contract.manifest import IMAGES_SUBDIR, FileEntry
+from rekindle_contract.manifest import IMAGES_SUBDIR, WEIGHTS_SUBDIR, FileEntry
 
 from rekindle_agent import digests
 
@@ -32,6 +32,10 @@ from rekindle_agent import digests
 # caches between the copy out of the page cache and the hash, where 8 MiB buffers
 # (one per thread) spill to memory and hash measurably slower (docs/restore-profile.md).
 CHUNK = 1 << 20
+# Files this big (a weight dump, the largest pages images) are hashed on two
+# threads: the smaller files finish first, and one thread would leave the tail
+# of the check on one core.
+SPLIT_HASH_BYTES = 256 << 20
 
 
 def deferred(path: str) -> bool:
@@ -39,6 +43,21 @@ def deferred(path: str) -> bool:
     images CRIU parses. Memory pages, the /dev/shm and other files it maps or has
     open, the weight dump."""
     return not path.startswith(f"{IMAGES_SUBDIR}/") or path.startswith(f"{IMAGES_SUBDIR}/pages-")
+
+
+def weight_file(path: str) -> bool:
+    """The weight dump: only the reload reads it, after the restored tree runs, so its
+    check gates the reload rather than the tree (and it is read last)."""
+    return path.startswith(f"{WEIGHTS_SUBDIR}/")
+
+
+def weight_paths(files: list[FileEntry]) -> set[str]:
+    return {f["path"] for f in files if weight_file(f["path"])}
+
+
+def tree_paths(files: list[FileEntry]) -> set[str]:
+    """Everything the restored tree itself uses: checked before it resumes."""
+    return {f["path"] for f in files if not weight_file(f["path"])}
 
 
 def critical_paths(files: list[FileEntry]) -> set[str]:
@@ -67,7 +86,9 @@ def expected(entry: FileEntry, verify: str) -> tuple[str, str]:
     raise ValueError(f"{entry.get('path')}: no digest in the manifest")
 
 
-def _read_file(path: Path, check: tuple[str, str] | None, chunk: int) -> tuple[int, str | None]:
+def _read_file(
+    path: Path, check: tuple[str, str] | None, chunk: int, split_hash: int = SPLIT_HASH_BYTES
+) -> tuple[int, str | None]:
     """Read path once (WILLNEED first); return (bytes, problem or None)."""
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -76,7 +97,8 @@ def _read_file(path: Path, check: tuple[str, str] | None, chunk: int) -> tuple[i
     try:
         size = os.fstat(fd).st_size
         os.posix_fadvise(fd, 0, size, os.POSIX_FADV_WILLNEED)
-        h = digests.new(check[0]) if check else None
+        threads = 2 if size >= split_hash else 1
+        h = digests.new(check[0], threads) if check else None
         buf = bytearray(chunk)
         view = memoryview(buf)
         total = 0
@@ -108,13 +130,18 @@ class Prefetcher:
         threads: int = 8,
         verify: str = "blake3",
         chunk: int = CHUNK,
+        split_hash: int = SPLIT_HASH_BYTES,
     ) -> None:
         self._t0 = time.monotonic()
         self.verify = verify
         self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="prefetch")
-        # The small files CRIU needs checked first (they gate it), then largest
-        # first: the long pole starts earliest.
-        order = sorted(files, key=lambda f: (deferred(f["path"]), -int(f["size"])))
+        # The small files CRIU needs checked first (they gate it), then what the
+        # restored tree uses (it gates resuming), then the weight dump (it gates
+        # only the reload); largest first in each: the long pole starts earliest.
+        order = sorted(
+            files,
+            key=lambda f: (deferred(f["path"]), weight_file(f["path"]), -int(f["size"])),
+        )
         self.order = [f["path"] for f in order]  # the order files are read in
         self._futures: list[tuple[str, Future[tuple[int, str | None]]]] = [
             (
@@ -124,6 +151,7 @@ class Prefetcher:
                     root / f["path"],
                     None if verify == "size" else expected(f, verify),
                     chunk,
+                    split_hash,
                 ),
             )
             for f in order

@@ -8,7 +8,9 @@ memory by mlock(2)ing a read-only mapping of them until it is killed.
 
 - residency(path): bytes of path (a file or a directory tree) in the page cache,
   by vmtouch where installed, else by mincore(2) here (same answer, slower on
-  huge trees). Benches record it beside every timing; the agent reports it.
+  huge trees). Benches record it beside every timing; the agent reports it,
+  through cached_residency() (one measurement reused for CACHE_S seconds, as
+  the operator polls the status).
 - ResidentLock: one `vmtouch -l` child that pins the newest checkpoint's files
   within a byte budget (the agent's --keep-resident-mb). Locked page cache is
   charged to the pod's memory cgroup and cannot be reclaimed: the budget counts
@@ -148,6 +150,51 @@ def residency(path: str | os.PathLike[str], tool: str = "auto") -> dict[str, Any
         "tool": "vmtouch" if binary else "mincore",
         "seconds": round(time.monotonic() - t0, 4),
     }
+
+
+# How long cached_residency() answers from its last measurement of a path.
+CACHE_S = 5.0
+
+
+class ResidencyCache:
+    """residency() of recent paths, reused for a few seconds.
+
+    The agent's /v1/status measures its whole checkpoint, and the operator
+    (and `kubectl rekindle status`) poll it: without a cache every poll walks
+    every page of a many-GB tree. Ages come from the monotonic clock, so a
+    wall-clock step never serves a stale answer for long nor hides a fresh one.
+    """
+
+    def __init__(self, max_age: float = CACHE_S, clock: Callable[[], float] = time.monotonic):
+        self.max_age = max_age
+        self.clock = clock
+        self._mu = threading.Lock()
+        self._last: dict[str, tuple[float, dict[str, Any]]] = {}
+
+    def get(self, path: str | os.PathLike[str], tool: str = "auto") -> dict[str, Any]:
+        """residency(path, tool), or the answer measured less than max_age seconds ago.
+
+        Errors are not cached: the next call measures again.
+        """
+        key = f"{tool}:{os.fspath(path)}"
+        now = self.clock()
+        with self._mu:
+            hit = self._last.get(key)
+        if hit is None or not 0 <= now - hit[0] < self.max_age:
+            hit = (now, residency(path, tool))
+            with self._mu:
+                # Only the newest path or two are asked about: keep the map tiny.
+                self._last = {k: v for k, v in self._last.items() if now - v[0] < self.max_age}
+                self._last[key] = hit
+        return dict(hit[1])
+
+
+_CACHE = ResidencyCache()
+
+
+def cached_residency(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """residency(path) measured at most CACHE_S seconds ago (the agent's status uses it)."""
+    return _CACHE.get(path)
 
 
 def within_budget(files: Iterable[tuple[str, int]], budget: int) -> tuple[list[str], int]:

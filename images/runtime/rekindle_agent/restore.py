@@ -4,8 +4,9 @@ Order matters for speed: prefetching (and hashing) every file starts first and
 runs while the cheap checks, the /dev/shm files and CRIU itself proceed. Order
 matters for safety too: the manifest is authenticated and its paths checked
 before anything is read by name, the images CRIU parses are checked before
-CRIU runs, and the restored tree stays stopped until everything else it uses
-(memory pages, /dev/shm files, weights) is checked as well. Any
+CRIU runs, the restored tree stays stopped until everything else it uses
+(memory pages, /dev/shm files) is checked as well, and the weight dump is
+checked before the reload reads it (its hashing overlaps resume and health). Any
 failure kills whatever was restored and raises RestoreError with a reason code
 (rekindle_contract.api.FALLBACK_REASONS), which the agent turns into a normal boot
 (or, with --restore-policy require, into Failed).
@@ -40,6 +41,7 @@ from rekindle_agent import (
     prefetch,
     proctree,
     shm_files,
+    weights_map,
 )
 from rekindle_agent.config import AgentConfig
 from rekindle_agent.vllm_control import VllmCallError, VllmControl
@@ -144,8 +146,9 @@ def restore(
     Nothing of the checkpoint is used before it is checked: the manifest's
     signature (with key), structure, paths and modes (manifest_io.read), the
     fingerprint, the listing and sizes; then the content of every image CRIU
-    parses; CRIU restores the tree stopped, and it runs only once the rest
-    (memory pages, the /dev/shm and other files, weights) has been checked too.
+    parses; CRIU restores the tree stopped, and it runs only once the rest it
+    uses (memory pages, the /dev/shm and other files) has been checked too; the
+    weight dump, which only the reload reads, is checked before the reload.
 
     fp() is the fingerprint of this environment (compared with the
     checkpoint's); prefetcher is one already reading ckpt (started early, with
@@ -237,6 +240,7 @@ def restore(
             criu_log,
             pidfile,
             mmap=decision.use,
+            mmap_heap=decision.heap,
             plugins=cfg.criu_plugins,
             # CRIU 4.2.1's CUDA plugin hangs in its late resume hook when the tasks
             # are left stopped (tests/criu/test_cuda_plugin.py): on GPU the tree runs
@@ -277,8 +281,9 @@ def restore(
         t = mark("criu_restore", t)
 
         if pre is not None and cfg.device != "cuda":
-            # The memory pages and the weights: the tree is still stopped.
-            phases["prefetch_total"] = _checked(pre, deadline)
+            # The memory pages and files the tree uses: it is still stopped. The
+            # weight dump is checked meanwhile and gates the reload (below).
+            _checked(pre, deadline, prefetch.tree_paths(files))
             t = mark("prefetch_wait", t)
         resume(proctree.tree(restored_root))
         log.info("restored tree %d: every file checked, resumed", restored_root)
@@ -290,10 +295,20 @@ def restore(
             raise RestoreError("wake_failed", f"restored vLLM not healthy: {e}") from e
         t = mark("health", t)
 
+        if pre is not None and cfg.device != "cuda":
+            # Nothing reads the weight dump before the reload does.
+            phases["prefetch_total"] = _checked(pre, deadline)
+            t = mark("weights_check_wait", t)
         if man.get("weights", {}).get("released"):
             try:
                 # Content was checked above (prefetch or up front) unless only sizes were.
-                control.wake(str(ckpt / WEIGHTS_SUBDIR), verify=verify == "size")
+                control.wake(
+                    str(ckpt / WEIGHTS_SUBDIR),
+                    verify=verify == "size",
+                    # The restored tree kept the environment it was dumped with: the
+                    # off switch of this pod's environment is passed on explicitly.
+                    map_weights=not weights_map.switched_off(),
+                )
             except VllmCallError as e:
                 raise RestoreError("wake_failed", str(e)) from e
             t = mark("reload_weights", t)

@@ -250,11 +250,13 @@ async def status(request: web.Request) -> web.Response:
 
 
 def checkpoint_residency(ckpt: str | None) -> api.ResidencyDoc | None:
-    """How much of ckpt is in the page cache; None without one (or when it is gone)."""
+    """How much of ckpt is in the page cache; None without one (or when it is gone).
+
+    Measured at most every residency.CACHE_S seconds: the operator polls the status."""
     if not ckpt:
         return None
     try:
-        return cast(api.ResidencyDoc, residency.residency(ckpt))
+        return cast(api.ResidencyDoc, residency.cached_residency(ckpt))
     except (OSError, ValueError, subprocess.SubprocessError) as e:
         log.warning("residency of %s: %s", ckpt, e)
         return None

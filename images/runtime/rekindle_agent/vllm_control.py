@@ -102,11 +102,17 @@ class VllmControl:
         t["release"] = time.monotonic() - t0
         return t
 
-    def wake(self, weights_dir: str, verify: bool = True) -> dict[str, float]:
+    def wake(
+        self, weights_dir: str, verify: bool = True, map_weights: bool = True
+    ) -> dict[str, float]:
         """Bring weights (and, on GPU, the KV cache) back after a restore; phase seconds.
 
         verify=False when the caller already checked the weight file's content
         (the restore's prefetch does), so it is not read for checksums twice.
+        map_weights=False forbids mapping the dump (the worker otherwise maps an
+        immutable dump on CPU: weights_map.map_choice); only then is the
+        argument sent. A tree dumped before the argument existed (it never maps
+        by default) refuses it before doing anything, and is asked again without.
         The KV cache came back empty, so the prefix cache's entries point at
         blocks whose content is gone: reset it before serving.
         """
@@ -114,10 +120,18 @@ class VllmControl:
         t0 = time.monotonic()
         if self.device == "cuda":
             self._post("/wake_up?tags=weights")
-        if verify:
-            self.rpc(RELOAD_WEIGHTS, weights_dir)
-        else:
-            self.rpc(RELOAD_WEIGHTS, weights_dir, verify=False)
+        kwargs: dict[str, object] = {}
+        if not verify:
+            kwargs["verify"] = False
+        if not map_weights:
+            kwargs["map_weights"] = False
+        try:
+            self.rpc(RELOAD_WEIGHTS, weights_dir, **kwargs)
+        except VllmCallError as e:
+            if "map_weights" not in kwargs or "'map_weights'" not in e.body:
+                raise
+            del kwargs["map_weights"]
+            self.rpc(RELOAD_WEIGHTS, weights_dir, **kwargs)
         if self.device == "cuda":
             # Every tag is resident again only now: vLLM says "awake", not "sleeping".
             woke = self._post("/wake_up?tags=kv_cache")

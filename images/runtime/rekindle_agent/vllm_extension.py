@@ -21,15 +21,18 @@ rekindle_contract.rpc):
   gc + malloc_trim return the memory to the OS. On GPU, vLLM's
   `POST /sleep?level=2` releases memory (keeping virtual addresses) and this
   call only reports that.
-- `rekindle_reload_weights(dir, verify="true", threads=None) -> {"rank", "bytes",
-  "seconds", "gbps", ...}` refills every tensor in place from the dump (on CPU
-  after re-allocating what release freed; on GPU after `POST
-  /wake_up?tags=weights`). The caller then calls `POST /reset_prefix_cache`
-  (the KV cache's content is gone) and, on GPU, `POST /wake_up?tags=kv_cache`.
-  With REKINDLE_MAP_WEIGHTS=1 (CPU) the page-aligned part of each tensor is
-  mapped from the dump instead of copied (rekindle_weights.reload.map_range:
-  no first-touch faults on fresh memory); release and the next reload turn
-  those ranges back into anonymous memory first.
+- `rekindle_reload_weights(dir, verify="true", threads=None, map_weights=None) ->
+  {"rank", "bytes", "seconds", "gbps", "mapped_bytes", "map", ...}` refills every
+  tensor in place from the dump (on CPU after re-allocating what release freed;
+  on GPU after `POST /wake_up?tags=weights`). The caller then calls `POST
+  /reset_prefix_cache` (the KV cache's content is gone) and, on GPU, `POST
+  /wake_up?tags=kv_cache`. On CPU, when the dump's data file is immutable
+  (chattr +i: a proven checkpoint, immutable.protect_weights), the page-aligned
+  part of each tensor is mapped from the dump instead of copied
+  (rekindle_weights.reload.map_range: no first-touch faults on fresh memory);
+  `map` says why or why not (rekindle_agent.weights_map.map_choice). Off with
+  REKINDLE_MAP_WEIGHTS=0 in the server's environment or map_weights=false.
+  Release and the next reload turn those ranges back into anonymous memory first.
 - `rekindle_weights_digest() -> {name: checksum}`: per-tensor block CRC-32s
   (rekindle_weights.format), to prove a round trip bit-exact.
 - `rekindle_worker_info() -> {"rank", "pid", "rss_bytes", "released"}`.
@@ -54,6 +57,7 @@ import contextlib
 import ctypes
 import gc
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -68,6 +72,8 @@ from rekindle_weights.reload import (
     validate,
 )
 from rekindle_weights.tensors import byte_tensor, host_bytes, model_tensors
+
+from rekindle_agent.weights_map import map_choice
 
 if TYPE_CHECKING:
     import torch
@@ -131,18 +137,6 @@ def _keep_cpu_linear_weights() -> None:
 
 
 _keep_cpu_linear_weights()
-
-
-def _map_weights() -> bool:
-    """REKINDLE_MAP_WEIGHTS=1: a CPU reload maps the dump instead of copying it.
-
-    Off by default: the mapped dump must then stay unchanged for the server's
-    whole life (a truncated file would SIGBUS it), like the pages images the
-    mmap restore maps, and only page-aligned storages can be mapped (PyTorch
-    aligns allocations of 2 MiB and more to pages with THP_MEM_ALLOC_ENABLE=1).
-    docs/weights.md, "Fresh memory".
-    """
-    return os.environ.get("REKINDLE_MAP_WEIGHTS", "0") == "1"
 
 
 def _released_linear(*args: object, **kwargs: object) -> None:
@@ -354,7 +348,11 @@ class RekindleWorkerExtension:
         }
 
     def rekindle_reload_weights(
-        self, directory: str, verify: object = True, threads: object = None
+        self,
+        directory: str,
+        verify: object = True,
+        threads: object = None,
+        map_weights: object = None,
     ) -> dict[str, Any]:
         t0 = time.perf_counter()
         rank = int(self.rank)
@@ -364,13 +362,12 @@ class RekindleWorkerExtension:
         self._rekindle_unmap()  # this reload refills (or maps) that memory anew
         if state is not None:
             _regrow(state.weights)
-        opts = ReloadOptions(
-            verify=_truthy(verify),
-            threads=_opt_int(threads),
-            map_file=self.device.type == "cpu" and _map_weights(),
-        )
+        data = fmt.data_path(directory, rank)
+        asked = None if map_weights is None or map_weights == "" else _truthy(map_weights)
+        map_file, why = map_choice(self.device.type, data, asked)
+        opts = ReloadOptions(verify=_truthy(verify), threads=_opt_int(threads), map_file=map_file)
         try:
-            res = load_into(index, fmt.data_path(directory, rank), ordered, opts)
+            res = load_into(index, data, ordered, opts)
         except BaseException:
             # Some bytes may already be in place: on CPU leave the worker visibly released
             # (requests fail, worker_info says so) rather than serving half-loaded weights.
@@ -396,6 +393,14 @@ class RekindleWorkerExtension:
         )
         out = res.to_json()
         out["total_seconds"] = round(time.perf_counter() - t0, 6)
+        out["map"] = f"{why}; {res.map_note}" if res.map_note else why
+        # One line in vLLM's log: how each reload brought the weights back.
+        print(
+            f"rekindle: reload rank {rank}: {res.bytes} bytes, {res.mapped_bytes} mapped "
+            f"from {data} ({out['map']}), {out['total_seconds']:.3f}s",
+            file=sys.stderr,
+            flush=True,
+        )
         return out
 
     def _rekindle_unmap(self) -> None:

@@ -16,6 +16,7 @@ from rekindle_contract.rpc import WORKER_EXTENSION
 from rekindle_contract.vllm_argv import MM_AUTO_ENV, VllmOptions, takes_images, vllm_argv
 
 from rekindle_agent.config import AgentConfig
+from rekindle_agent.weights_map import THP_ENV
 
 VLLM_HOST = "127.0.0.1"  # vLLM is reachable only through the agent
 
@@ -107,7 +108,11 @@ def vllm_env(
     With run_dir, temp files (and the sockets vLLM puts there) live in
     run_dir/tmp, a path that is the same in every pod, as a restored tree needs.
     On CPU with tensor parallel, each rank's OpenMP threads get their own CPUs
-    (cpu_threads_bind) unless VLLM_CPU_OMP_THREADS_BIND is set already.
+    (cpu_threads_bind) unless VLLM_CPU_OMP_THREADS_BIND is set already. On CPU,
+    THP_MEM_ALLOC_ENABLE=1 (unless set): PyTorch then page-aligns allocations of
+    2 MiB and more, which a weight reload needs to map the dump instead of
+    copying it (docs/weights.md, "Mapped reload"). GPU is left as it is: its
+    weights live in device memory, which is never mapped from the dump.
     """
     env = dict(os.environ if base is None else base)
     env.update(
@@ -123,6 +128,10 @@ def vllm_env(
     if device == "cpu":
         env.setdefault("VLLM_TARGET_DEVICE", "cpu")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        # Not in the checkpoint fingerprint (not a fingerprinted prefix): a restored tree
+        # keeps the environment it was dumped with, and one without it maps less of the
+        # dump and copies the rest, so checkpoints from before it still restore.
+        env.setdefault(THP_ENV, "1")
         if tensor_parallel_size > 1:
             bind = cpu_threads_bind(sorted(os.sched_getaffinity(0)), tensor_parallel_size)
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", bind)

@@ -9,10 +9,13 @@ the live one.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
+import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 from rekindle_agent import proctree, seccomp, shm_files
 from rekindle_agent.reaper import Reaper
@@ -21,6 +24,79 @@ from rekindle_agent.reaper import Reaper
 LOG_TAG = b"[vllm] "
 MAX_LINE = 16384  # a longer run without a newline is passed on in pieces
 POLL_S = 0.2
+TCP_LISTEN = "0A"  # the socket state "listen" in /proc/net/tcp{,6}
+PROC_NET_TCP = (Path("/proc/net/tcp"), Path("/proc/net/tcp6"))
+
+
+class ForeignVllmError(RuntimeError):
+    """vLLM's port is served by a process the agent did not start.
+
+    Serving it would report Ready for a server this agent cannot checkpoint,
+    restore or kill (e.g. another agent's vLLM sharing the host network).
+    """
+
+
+def argv_endpoint(argv: Sequence[str]) -> tuple[str, int] | None:
+    """(host, port) from vLLM's `--host H --port N` (or `--port=N`); None without a port."""
+    host, port = "0.0.0.0", None
+    args = list(argv)
+    for i, arg in enumerate(args):
+        name, eq, inline = arg.partition("=")
+        if name not in ("--host", "--port"):
+            continue
+        value = inline if eq else (args[i + 1] if i + 1 < len(args) else "")
+        if name == "--host":
+            host = value
+        elif value.isdigit():
+            port = int(value)
+    return None if port is None else (host, port)
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """True if something listens on host:port (a bind as vLLM's would fails: EADDRINUSE)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: TIME_WAIT is free
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return True
+            raise
+    return False
+
+
+def listening_inodes(table: str, port: int) -> set[int]:
+    """Socket inodes listening on port in one /proc/net/tcp or tcp6 table (its text)."""
+    out: set[int] = set()
+    for line in table.splitlines()[1:]:
+        cols = line.split()
+        if len(cols) < 10 or cols[3] != TCP_LISTEN:
+            continue
+        _addr, _, hex_port = cols[1].rpartition(":")
+        with contextlib.suppress(ValueError):
+            if int(hex_port, 16) == port:
+                out.add(int(cols[9]))
+    return out
+
+
+def socket_inodes(fd_links: Iterable[str]) -> set[int]:
+    """Inodes of the sockets among readlink targets of /proc/PID/fd ("socket:[N]")."""
+    out: set[int] = set()
+    for target in fd_links:
+        if target.startswith("socket:[") and target.endswith("]"):
+            with contextlib.suppress(ValueError):
+                out.add(int(target[len("socket:[") : -1]))
+    return out
+
+
+def foreign_port_message(port: int, when: str) -> str:
+    """Why the agent refuses the server on its vLLM port, and what to change."""
+    return (
+        f"vLLM's port {port} is {when} by a process this agent did not start "
+        "(another vLLM or agent on the same network namespace?); the agent only serves "
+        "a vLLM it started itself: stop that process or give this agent another --vllm-port"
+    )
 
 
 def describe_exit(code: int | None) -> str:
@@ -164,7 +240,15 @@ class VllmProcess:
         self.log_follower = LogFollower(log_path, echo_fd) if echo_fd is not None else None
 
     def spawn(self) -> int:
-        """Start vLLM in its own session, output appended to the log; returns the root PID."""
+        """Start vLLM in its own session, output appended to the log; returns the root PID.
+
+        Refuses (ForeignVllmError) when vLLM's port already has a listener: the
+        new vLLM could not bind it, and until it died of that the health checks
+        would be answered by the other server.
+        """
+        endpoint = argv_endpoint(self.argv)
+        if endpoint is not None and port_in_use(*endpoint):
+            raise ForeignVllmError(foreign_port_message(endpoint[1], "already in use"))
         argv = seccomp.wrap(self.argv) if self.seccomp_io_uring else list(self.argv)
         fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         if self.log_follower is not None:
@@ -184,6 +268,28 @@ class VllmProcess:
         self.root_pid = pid
         if self.log_follower is not None:
             self.log_follower.follow_from_end()
+
+    def check_own_listener(self, tables: Sequence[Path] = PROC_NET_TCP) -> None:
+        """Raise ForeignVllmError unless vLLM's port is listened on by this tree.
+
+        Called once /health answered: a listener on the port whose socket no
+        process of the tree holds means the answer came from someone else's
+        server. No listener found (no port in argv, no /proc/net) passes.
+        """
+        endpoint = argv_endpoint(self.argv)
+        if endpoint is None or self.root_pid is None:
+            return
+        listeners: set[int] = set()
+        for table in tables:
+            with contextlib.suppress(OSError):
+                listeners |= listening_inodes(table.read_text(), endpoint[1])
+        if not listeners:
+            return
+        ours: set[int] = set()
+        for pid in proctree.tree(self.root_pid):
+            ours |= socket_inodes(proctree.fd_targets(pid).values())
+        if not listeners & ours:
+            raise ForeignVllmError(foreign_port_message(endpoint[1], "served"))
 
     def alive(self) -> bool:
         return self.root_pid is not None and proctree.alive(self.root_pid)

@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import mmap as mmap_module
 import os
 import queue
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -51,6 +53,9 @@ if TYPE_CHECKING:
 MiB = 1 << 20
 MAP_FIXED = 0x10  # Linux, every architecture (<asm-generic/mman-common.h>)
 MADV_POPULATE_READ = 22  # Linux >= 5.14
+# The lifetime mark on a mapped dump: an OFD read lock on this byte ("CRIU"), the
+# byte and meaning of the patched CRIU's mark on the pages images it maps (mark_mapped).
+MAPPED_MARK = 0x43524955
 
 
 def default_threads(device: str = "cpu") -> int:
@@ -91,6 +96,7 @@ class ReloadResult:
     path: str  # "host" or "staged"
     direct: bool
     mapped: tuple[tuple[int, int], ...] = ()  # (address, bytes) mapped from the dump (map_file)
+    map_note: str = ""  # map_file asked but nothing could be mapped: why
 
     @property
     def mapped_bytes(self) -> int:
@@ -112,6 +118,7 @@ class ReloadResult:
             "path": self.path,
             "direct": self.direct,
             "mapped_bytes": self.mapped_bytes,
+            "map_note": self.map_note,
         }
 
 
@@ -472,14 +479,19 @@ def _host_reload(
     chunk: int,
     verify: bool,
     map_file: bool = False,
-) -> list[tuple[int, int]]:
-    """Read (or, with map_file, map where aligned) every chunk; the ranges mapped."""
+) -> tuple[list[tuple[int, int]], str]:
+    """Read (or, with map_file, map where aligned) every chunk; the ranges mapped, and why
+    none could be (mark_mapped failed) or ""."""
     chunks = plan_chunks(index.tensors, chunk, pack=False)
     views = [host_bytes(d) for d in targets.dests]
     mapped: list[tuple[int, int]] = []
+    note = ""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        if map_file:
+            note = mark_mapped(fd)
+            map_file = not note  # no mapping without its lifetime mark: read it all
 
         def work(i: int) -> None:
             (p,) = chunks[i].pieces
@@ -502,8 +514,8 @@ def _host_reload(
             unmap_ranges(mapped)  # a failed reload leaves no mapping behind
             raise
     finally:
-        os.close(fd)  # the mappings keep the file open
-    return mapped
+        os.close(fd)  # the mappings keep the file open (and so its mark)
+    return mapped, note
 
 
 # ---------------------------------------------------------------- mapping the dump
@@ -528,6 +540,29 @@ def _c() -> ctypes.CDLL:
         ]
         _libc = lib
     return _libc
+
+
+def mark_mapped(fd: int) -> str:
+    """Put the lifetime mark on fd's file before mapping from fd; "" or why it failed.
+
+    The mark is an OFD read lock on byte MAPPED_MARK. An OFD lock belongs to the
+    open file, and every mapping made from fd keeps that open file after fd is
+    closed, so the mark lasts exactly as long as any mapping of the dump (in
+    every process the memory goes to) and goes with the last one (unmap_ranges,
+    exit): `/proc/locks` shows which dumps a server maps, and the patched CRIU,
+    which recognises a private mapping of a marked file, would dump its content
+    as anonymous memory (not tested for a weight dump: the release unmaps it
+    before any dump). A file system without OFD locks gets no mark, and the
+    caller then maps nothing.
+    """
+    cmd = getattr(fcntl, "F_OFD_SETLK", 37)
+    # struct flock: l_type, l_whence, (pad), l_start, l_len, l_pid, (pad); l_pid 0 for OFD.
+    req = struct.pack("hh4xqqi4x", fcntl.F_RDLCK, os.SEEK_SET, MAPPED_MARK, 1, 0)
+    try:
+        fcntl.fcntl(fd, cmd, req)
+    except OSError as e:
+        return f"cannot mark the dump as mapped (OFD read lock): {e.strerror or e}"
+    return ""
 
 
 def map_range(fd: int, addr: int, file_offset: int, length: int) -> int:
@@ -696,6 +731,7 @@ def load_into(
     buffers = opts.buffers if opts.buffers is not None else 2 * threads
 
     mapped: list[tuple[int, int]] = []
+    notes: list[str] = []
 
     def fill(positions: list[int], dests: list[torch.Tensor], may_map: bool = True) -> bool:
         """Load the index entries at positions into dests (dense); whether O_DIRECT ran."""
@@ -705,9 +741,11 @@ def load_into(
             return _staged_reload(
                 sub, path, targets, engine, threads, chunk, buffers, opts.verify, opts.direct
             )
-        mapped.extend(
-            _host_reload(sub, path, targets, threads, chunk, opts.verify, opts.map_file and may_map)
+        ranges, note = _host_reload(
+            sub, path, targets, threads, chunk, opts.verify, opts.map_file and may_map
         )
+        mapped.extend(ranges)
+        notes.extend([note] if note else [])
         return False
 
     dense = [i for i, t in enumerate(tensors) if is_dense(t)]
@@ -728,6 +766,7 @@ def load_into(
         path="staged" if staged else "host",
         direct=used_direct,
         mapped=tuple(sorted(mapped)),
+        map_note="; ".join(dict.fromkeys(notes)),
     )
 
 

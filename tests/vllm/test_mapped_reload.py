@@ -1,0 +1,184 @@
+"""The mapped weight reload, on by default, with a real vLLM CPU server and real CRIU.
+
+A model whose big tensors are 2 MiB and more (PyTorch page-aligns them under
+THP_MEM_ALLOC_ENABLE=1, which the agent sets): a proven checkpoint's weight dump
+is immutable; a replica restored from it maps the dump (with the lifetime mark
+held), answers exactly as before, checkpoints again without it (the release
+unmaps first), and the first checkpoint can then be deleted.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from rekindle_agent import immutable
+from rekindle_dev.models import TinyModelSpec, generate_tiny_model
+from rekindle_weights.reload import MAPPED_MARK
+
+from tests.vllm.conftest import PROMPTS, AgentFactory, AgentProc, factory_for
+
+pytestmark = [pytest.mark.vllm, pytest.mark.criu]
+
+# Embedding and LM head 4 MiB each, the fused MLP weights 11 MiB per layer (bf16).
+WIDE = TinyModelSpec(
+    hidden_size=1024,
+    intermediate_size=2752,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+)
+RELOAD_LINE = re.compile(r"rekindle: reload rank 0: (\d+) bytes, (\d+) mapped from (\S+) \((.*)\)")
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return generate_tiny_model(tmp_path_factory.mktemp("models") / "wide", WIDE)
+
+
+@pytest.fixture(scope="module")
+def factory(
+    tmp_path_factory: pytest.TempPathFactory, wide_model: Path, criu_prefix: Path
+) -> Iterator[AgentFactory]:
+    yield from factory_for(tmp_path_factory, "agent-mapped", wide_model, criu_prefix)
+
+
+def completions(agent: AgentProc) -> list[str]:
+    return [agent.complete(p) for p in PROMPTS]
+
+
+def reloads(agent: AgentProc) -> list[tuple[int, int, str, str]]:
+    """(bytes, mapped bytes, data file, why) of every reload in this agent's vLLM log, in
+    order (the last one is the latest: a restored log may carry older lines)."""
+    out = []
+    for line in agent.tail(100000).splitlines():
+        m = RELOAD_LINE.search(line)
+        if m and line.startswith("[vllm] "):
+            out.append((int(m[1]), int(m[2]), m[3], m[4]))
+    return out
+
+
+def mappers(data: Path) -> list[int]:
+    """Host pids with a mapping of data's inode (whatever path their namespace shows)."""
+    st = os.stat(data)
+    want = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x} {st.st_ino} "
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            maps = (d / "maps").read_text()
+        except OSError:
+            continue
+        if any(want in line for line in maps.splitlines()):
+            pids.append(int(d.name))
+    return pids
+
+
+def marks(data: Path) -> list[str]:
+    """/proc/locks lines: OFD read locks on the mapped mark of data's inode."""
+    ino = str(os.stat(data).st_ino)
+    return [
+        line
+        for line in Path("/proc/locks").read_text().splitlines()
+        if "OFDLCK" in line
+        and " READ " in f" {line} "
+        and any(f.count(":") == 2 and f.rsplit(":", 1)[1] == ino for f in line.split())
+        and line.split()[-2] == str(MAPPED_MARK)
+    ]
+
+
+def test_restored_replica_maps_the_immutable_dump(factory: AgentFactory) -> None:
+    c1, c2 = factory.checkpoints / "c1", factory.checkpoints / "c2"
+    boot = factory.start(name="boot")
+    try:
+        st = boot.wait_ready(600)
+        assert st.origin == "booted"
+        before = completions(boot)
+        boot.client.checkpoint(str(c1), timeout=900)
+        st = boot.wait_ready(60)
+        assert st.raw["last_checkpoint"]["weights_protection"] == "immutable", st.raw
+        # The proving restore ran before the dump was protected: it copied.
+        *_, (_, mapped, _, why) = reloads(boot)
+        assert mapped == 0 and "not immutable" in why, why
+    except BaseException:
+        print(boot.tail(200))
+        raise
+    finally:
+        boot.stop()
+
+    data = c1 / "weights" / "weights-rank0.bin"
+    weight_files = sorted((c1 / "weights").iterdir())
+    assert len(weight_files) == 2 and all(immutable.is_immutable(p) for p in weight_files)
+    with pytest.raises(PermissionError):
+        data.open("r+b")
+
+    replica = factory.start(name="replica", checkpoint=str(c1))
+    try:
+        st = replica.wait_ready(300)
+        assert st.origin == "restored" and st.last_fallback is None, st.raw
+        *_, (total, mapped, path, why) = reloads(replica)
+        assert path == str(data) and why == "mapped where page-aligned", why
+        # The wide tensors (most of the bytes) are mapped, not copied.
+        assert mapped > total // 2, (mapped, total)
+        assert mappers(data), "no process maps the weight dump"
+        assert len(marks(data)) >= 1, "the mapped dump carries no lifetime mark"
+        assert completions(replica) == before
+
+        # A checkpoint of the server that maps the dump: the release unmaps it first,
+        # so the new checkpoint holds the weights itself.
+        replica.client.checkpoint(str(c2), timeout=900)
+        st = replica.wait_ready(60)
+        assert st.raw["last_checkpoint"]["ok"], st.raw
+        assert mappers(data) == [] and marks(data) == []
+        assert completions(replica) == before
+    except BaseException:
+        print(replica.tail(200))
+        raise
+    finally:
+        replica.stop()
+
+    # The first checkpoint can go (its immutable files too); the second stands alone.
+    immutable.remove_tree(c1)
+    assert not c1.exists()
+    again = factory.start(name="from-c2", checkpoint=str(c2))
+    try:
+        st = again.wait_ready(300)
+        assert st.origin == "restored" and st.checkpoint == str(c2), st.raw
+        *_, (_, mapped, path, _) = reloads(again)
+        assert mapped > 0 and path == str(c2 / "weights" / "weights-rank0.bin")
+        assert completions(again) == before
+    except BaseException:
+        print(again.tail(200))
+        raise
+    finally:
+        again.stop()
+
+
+def test_off_switch_copies(factory: AgentFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """REKINDLE_MAP_WEIGHTS=0 in the restoring agent's environment: nothing is mapped,
+    even though the tree was dumped with mapping on."""
+    c3 = factory.checkpoints / "c3"
+    boot = factory.start(name="boot-off")
+    try:
+        boot.wait_ready(600)
+        before = completions(boot)
+        boot.client.checkpoint(str(c3), timeout=900)
+        boot.wait_ready(60)
+    finally:
+        boot.stop()
+    monkeypatch.setitem(factory.env, "REKINDLE_MAP_WEIGHTS", "0")
+    replica = factory.start(name="replica-off", checkpoint=str(c3))
+    try:
+        st = replica.wait_ready(300)
+        assert st.origin == "restored", st.raw
+        *_, (_, mapped, _, why) = reloads(replica)
+        assert mapped == 0 and why == "copied: map_weights=false", why
+        assert mappers(c3 / "weights" / "weights-rank0.bin") == []
+        assert completions(replica) == before
+    finally:
+        replica.stop()
+    immutable.remove_tree(c3)

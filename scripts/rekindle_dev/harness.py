@@ -34,6 +34,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from rekindle_agent.vllm_process import wait_port_free
 from rekindle_contract.agent_args import AgentArgs, agent_argv
 from rekindle_contract.api import AgentClient, StatusReply
 from rekindle_contract.pod import CHECKPOINT_ENV, CRIU_ENV, TOKEN_ENV
@@ -69,6 +70,7 @@ class AgentProc:
         self.api_key: str | None = None  # sent on the serve port when set
         self._ports: dict[str, int] | None = None
         self._client: AgentClient | None = None
+        self.vllm_port: int | None = None  # waited free by stop(): the next agent binds it
         self.launched = time.monotonic()
         # A reused work dir holds the last run's files under the same names: a
         # ports file left there would point ports() at that run's (dead, or
@@ -216,6 +218,10 @@ class AgentProc:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(30)
+        if self.vllm_port is not None:
+            # vLLM runs in its own session and may outlive its agent by a moment; the
+            # factory's next agent would refuse the port while it is still held.
+            wait_port_free("127.0.0.1", self.vllm_port, timeout=30)
 
 
 class AgentFactory:
@@ -272,6 +278,7 @@ class AgentFactory:
         if fresh_ns:
             argv = [*FRESH_NS, *argv]
         proc = AgentProc(argv, self.base / f"{stem}.log", ports_file, self.token, self.env)
+        proc.vllm_port = int(overrides.get("vllm_port", self.vllm_port))
         key_file = overrides.get("api_key_file")
         if key_file:  # the serve port needs it: send it on completions
             proc.api_key = Path(key_file).read_text().strip()

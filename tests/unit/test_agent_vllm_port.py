@@ -13,11 +13,13 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
 import pytest
+from rekindle_agent import vllm_process
 from rekindle_agent.vllm_process import (
     ForeignVllmError,
     VllmProcess,
@@ -25,6 +27,7 @@ from rekindle_agent.vllm_process import (
     listening_inodes,
     port_in_use,
     socket_inodes,
+    wait_port_free,
 )
 
 HEADER = (
@@ -98,7 +101,24 @@ def vllm_on(port: int, argv: list[str] | None = None) -> VllmProcess:
     )
 
 
-def test_spawn_refuses_a_port_in_use(listener: socket.socket) -> None:
+def test_wait_port_free_waits_for_a_closing_listener(listener: socket.socket) -> None:
+    """A tree killed a moment ago still holds the port: the agent waits, then boots."""
+    port = listener.getsockname()[1]
+    threading.Timer(0.3, listener.close).start()
+    assert wait_port_free("127.0.0.1", port, timeout=10)
+    again = socket.socket()
+    again.bind(("127.0.0.1", 0))
+    again.listen()
+    try:
+        assert not wait_port_free("127.0.0.1", again.getsockname()[1], timeout=0.2)
+    finally:
+        again.close()
+
+
+def test_spawn_refuses_a_port_in_use(
+    listener: socket.socket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(vllm_process, "PORT_GRACE_S", 0.2)
     port = listener.getsockname()[1]
     with pytest.raises(ForeignVllmError, match=f"port {port} is already in use.*--vllm-port"):
         vllm_on(port).spawn()

@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -24,6 +25,9 @@ from rekindle_agent.reaper import Reaper
 LOG_TAG = b"[vllm] "
 MAX_LINE = 16384  # a longer run without a newline is passed on in pieces
 POLL_S = 0.2
+# A tree killed a moment ago (a failed restore's, before the fallback boot) closes
+# its listening socket as its last process exits: wait that long before refusing.
+PORT_GRACE_S = 10.0
 TCP_LISTEN = "0A"  # the socket state "listen" in /proc/net/tcp{,6}
 PROC_NET_TCP = (Path("/proc/net/tcp"), Path("/proc/net/tcp6"))
 
@@ -64,6 +68,16 @@ def port_in_use(host: str, port: int) -> bool:
                 return True
             raise
     return False
+
+
+def wait_port_free(host: str, port: int, timeout: float) -> bool:
+    """True once nothing listens on host:port; False if something still does at timeout."""
+    deadline = time.monotonic() + timeout
+    while port_in_use(host, port):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 def listening_inodes(table: str, port: int) -> set[int]:
@@ -242,12 +256,13 @@ class VllmProcess:
     def spawn(self) -> int:
         """Start vLLM in its own session, output appended to the log; returns the root PID.
 
-        Refuses (ForeignVllmError) when vLLM's port already has a listener: the
+        Refuses (ForeignVllmError) when vLLM's port still has a listener after
+        PORT_GRACE_S: the
         new vLLM could not bind it, and until it died of that the health checks
         would be answered by the other server.
         """
         endpoint = argv_endpoint(self.argv)
-        if endpoint is not None and port_in_use(*endpoint):
+        if endpoint is not None and not wait_port_free(*endpoint, timeout=PORT_GRACE_S):
             raise ForeignVllmError(foreign_port_message(endpoint[1], "already in use"))
         argv = seccomp.wrap(self.argv) if self.seccomp_io_uring else list(self.argv)
         fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)

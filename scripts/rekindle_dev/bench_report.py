@@ -420,7 +420,23 @@ def section_ladder(bench: Path) -> str:
         )
         notes.append(f"- {res['size']}: {residency_sentence(rows) or 'No restore.'} {how}")
     head = ["Per size, from the ladder's own results:", *notes, ""] if notes else []
-    return "\n".join([*head, section_embedded(bench, "ladder")])
+    return "\n".join([*head, section_embedded(bench, "ladder"), *ladder_runs(bench)])
+
+
+def ladder_runs(bench: Path) -> list[str]:
+    """Sizes run on their own (ladder/<size>/, one run each): their tables and plots."""
+    out = []
+    root = bench / "ladder"
+    subs = sorted(p for p in root.iterdir() if (p / "results.md").exists()) if root.is_dir() else []
+    for sub in subs:
+        doc = (
+            json.loads((sub / "results.json").read_text())
+            if (sub / "results.json").exists()
+            else {}
+        )
+        out += [f"#### {sub.name}, a run of its own", "", f"Machine: {load_note(doc)}.", ""]
+        out.append(embed(bench, f"ladder/{sub.name}"))
+    return out
 
 
 def section_cluster(bench: Path) -> str:

@@ -122,3 +122,28 @@ def _numel(shape: tuple[int, ...]) -> int:
     for d in shape:
         n *= d
     return n
+
+
+def test_reload_is_compared_with_the_same_runs_best_read() -> None:
+    """The reload alone and with the dump's check it waited for, each divided by the median
+    of the trials' best page-cache reads; naive rows get the baseline but no ratio."""
+    from rekindle_dev.bench_ladder import RESTORE, vs_read_cell, with_read_baseline
+
+    summary = {
+        f"{RESTORE}/warm": {
+            "reload_seconds_median": 1.0,
+            "reload_gb_per_s_median": 6.0,
+            "phases_median": {"weights_check_wait": 2.0, "reload_weights": 1.0},
+        },
+        "naive/warm": {"phases_median": {}},
+    }
+    reads = [{"best": 4.0}, {"best": 2.0}, {"best": 3.0}]
+    out = with_read_baseline(summary, reads)
+    r = out[f"{RESTORE}/warm"]
+    assert r["read_best_gbps_median"] == 3.0 and r["read_best_gbps_range"] == (2.0, 4.0)
+    assert r["reload_vs_best_read"] == 2.0
+    assert r["reload_checked_vs_best_read"] == 6.0 * (1.0 / 3.0) / 3.0
+    assert "reload_vs_best_read" not in out["naive/warm"]
+    assert vs_read_cell(r) == "2.00 / 0.67 (read 3.00 GB/s, 2.00-4.00)"
+    assert vs_read_cell(out["naive/warm"]) == "-"
+    assert with_read_baseline({"x": {}}, []) == {"x": {}}

@@ -8,11 +8,28 @@ module down to what it measures (bench_kv, bench_mm).
 
 from __future__ import annotations
 
+import os
+import platform
 import re
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+# -- the machine a result was taken on ------------------------------------------------
+
+
+def host_facts(**loads: tuple[float, float, float]) -> dict[str, Any]:
+    """The "host" of a results file: what the report needs to say where it ran, plus the
+    load averages the bench took (load_avg_at_start=..., load_avg_at_end=...)."""
+    return {
+        "node": platform.node(),
+        "kernel": platform.release(),
+        "cpus": os.cpu_count(),
+        "memory_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30,
+        **loads,
+    }
+
 
 # -- a naive boot, from vLLM's own log ----------------------------------------------
 

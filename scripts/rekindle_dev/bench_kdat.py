@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import secrets
 import signal
 import statistics
@@ -35,6 +34,8 @@ from rekindle_agent import criu as criu_mod
 from rekindle_agent import kdat_cache
 from rekindle_agent.early import KDAT_CACHE_ENV
 from rekindle_agent.immutable import remove_tree
+
+from rekindle_dev.bench_common import host_facts
 
 MODES = ("off", "on")
 
@@ -233,12 +234,7 @@ def run(args: argparse.Namespace) -> int:
     doc = {
         "command": cmd,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "host": {
-            "node": platform.node(),
-            "kernel": platform.release(),
-            "cpus": os.cpu_count(),
-            "load_avg_at_end": os.getloadavg(),
-        },
+        "host": host_facts(load_avg_at_end=os.getloadavg()),
         "trials": {"small": args.trials, "agent": args.agent_trials},
         "summary": {
             "small": medians(runs["small"], SMALL_KEYS),

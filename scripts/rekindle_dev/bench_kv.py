@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -36,7 +35,7 @@ from rekindle_agent.vllm_control import wait_health
 from rekindle_agent.vllm_launch import vllm_env
 from rekindle_contract.vllm_argv import VllmOptions, vllm_argv
 
-from rekindle_dev.bench_common import md_table, pyplot, save_figure, spread
+from rekindle_dev.bench_common import host_facts, md_table, pyplot, save_figure, spread
 from rekindle_dev.ports import free_port
 from rekindle_dev.vllm_runner import _kill_group
 
@@ -336,13 +335,7 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     doc = {
         "command": command_line(args),
-        "host": {
-            "node": platform.node(),
-            "kernel": platform.release(),
-            "cpus": os.cpu_count(),
-            "load_avg_at_start": load_start,
-            "load_avg_at_end": os.getloadavg(),
-        },
+        "host": host_facts(load_avg_at_start=load_start, load_avg_at_end=os.getloadavg()),
         "model": str(model),
         "model_name": model.name.split("-")[0],
         "trials": args.trials,

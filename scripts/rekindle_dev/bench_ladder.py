@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import secrets
 import statistics
 import sys
@@ -33,7 +32,7 @@ from typing import Any
 from rekindle_agent.immutable import remove_tree
 from rekindle_contract.manifest import WEIGHTS_SUBDIR
 
-from rekindle_dev.bench_common import residency_cell
+from rekindle_dev.bench_common import host_facts, residency_cell
 from rekindle_dev.bench_local import RESTORE_PHASES, drop_caches, log, one_run, summarize
 from rekindle_dev.bench_weights import read_file_gbps
 from rekindle_dev.harness import AgentFactory
@@ -313,13 +312,7 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     doc: dict[str, Any] = {
         "command": command_line(args),
-        "host": {
-            "node": platform.node(),
-            "kernel": platform.release(),
-            "cpus": os.cpu_count(),
-            "memory_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30,
-            "load_avg_at_start": os.getloadavg(),
-        },
+        "host": host_facts(load_avg_at_start=os.getloadavg()),
         "variants": {"naive": "restore_policy never", RESTORE: "mmap auto, prefetch, signed"},
         "results": [],
     }

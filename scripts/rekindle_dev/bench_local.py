@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import secrets
 import statistics
 import subprocess
@@ -46,7 +45,7 @@ from rekindle_agent import residency
 from rekindle_agent.immutable import remove_tree
 from rekindle_contract.api import PATH_READYZ
 
-from rekindle_dev.bench_common import parse_vllm_log, residency_cell
+from rekindle_dev.bench_common import host_facts, parse_vllm_log, residency_cell
 from rekindle_dev.harness import AgentFactory, AgentProc
 
 # The agent's settings per variant (AgentArgs fields).
@@ -552,12 +551,7 @@ def run(args: argparse.Namespace) -> int:
     doc = {
         "command": command_line(args),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "host": {
-            "node": platform.node(),
-            "kernel": platform.release(),
-            "cpus": os.cpu_count(),
-            "load_avg_at_end": os.getloadavg(),
-        },
+        "host": host_facts(load_avg_at_end=os.getloadavg()),
         "checkpoint_bytes": size,
         "verify_cost_seconds": verify,
         "disk_floor_seconds": floor,

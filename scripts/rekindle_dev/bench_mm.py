@@ -27,7 +27,6 @@ import http.client
 import io
 import json
 import os
-import platform
 import random
 import signal
 import statistics
@@ -48,7 +47,7 @@ from rekindle_agent.vllm_control import wait_health
 from rekindle_agent.vllm_launch import vllm_env
 from rekindle_contract.vllm_argv import VllmOptions, vllm_argv
 
-from rekindle_dev.bench_common import fmt, md_table, pyplot, save_figure, spread
+from rekindle_dev.bench_common import fmt, host_facts, md_table, pyplot, save_figure, spread
 from rekindle_dev.ports import free_port
 
 # vLLM's flags per configuration (the cache size is --cache-gb for shm and lru).
@@ -515,12 +514,7 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     doc = {
         "command": command_line(args),
-        "host": {
-            "node": platform.node(),
-            "kernel": platform.release(),
-            "cpus": os.cpu_count(),
-            "load_avg_at_end": os.getloadavg(),
-        },
+        "host": host_facts(load_avg_at_end=os.getloadavg()),
         "workload": {
             "images": args.images,
             "image_size": args.image_size,

@@ -61,3 +61,11 @@ def test_kv_table_pairs_each_reuse_turn_with_its_baseline(tmp_path: Path) -> Non
     assert "| 3 |" not in text
     bench_kv.plot(summary, tmp_path / "kv.png", "t")
     assert (tmp_path / "kv.png").stat().st_size > 0
+
+
+def test_host_facts_name_the_machine_and_keep_the_loads() -> None:
+    from rekindle_dev.bench_common import host_facts
+
+    h = host_facts(load_avg_at_end=(1.0, 2.0, 3.0))
+    assert h["cpus"] and h["kernel"] and h["memory_gib"] > 0
+    assert h["load_avg_at_end"] == (1.0, 2.0, 3.0) and "load_avg_at_start" not in h

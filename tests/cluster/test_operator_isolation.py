@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 from rekindle_agent.immutable import remove_tree
+from rekindle_agent.kdat_cache import CACHE_SUBDIR as KDAT_DIR
 
 from tests.cluster.cluster_tools import create_namespace, kubectl, kubectl_json, wait_until
 from tests.cluster.operator_fixtures import (
@@ -102,6 +103,11 @@ def _running_pod(ns: str) -> dict[str, Any]:
     return pods_of(NAME, ns)[0]
 
 
+def _own_entries(ls: str) -> list[str]:
+    """A service's checkpoint directory listing, less the agent's kdat cache directory."""
+    return [e for e in ls.split() if e != KDAT_DIR]
+
+
 def _exec(ns: str, pod: str, script: str) -> str:
     r = kubectl("exec", "-n", ns, pod, "--", "sh", "-c", script, check=False)
     assert r.returncode == 0, f"{script}: {r.stdout}{r.stderr}"
@@ -144,9 +150,10 @@ def test_isolation_then_namespace_deletion(two: dict[str, Any]) -> None:
     # Each writes into its own directory (as a checkpoint would) ...
     _exec(a, name_a, f"mkdir -p {MOUNT}/ck-a && echo secret-a > {MOUNT}/ck-a/pages-1.img")
     _exec(b, name_b, f"mkdir -p {MOUNT}/ck-b && echo secret-b > {MOUNT}/ck-b/pages-1.img")
-    # ... and sees only that: not the other's files, not the shared root above it.
-    assert _exec(a, name_a, f"ls -A {MOUNT}").split() == ["ck-a"]
-    assert _exec(b, name_b, f"ls -A {MOUNT}").split() == ["ck-b"]
+    # ... and sees only that: not the other's files, not the shared root above it
+    # (beside its own CRIU kdat cache, which the agent keeps per service and node).
+    assert _own_entries(_exec(a, name_a, f"ls -A {MOUNT}")) == ["ck-a"]
+    assert _own_entries(_exec(b, name_b, f"ls -A {MOUNT}")) == ["ck-b"]
     assert "secret-a" not in _exec(b, name_b, f"grep -r secret-a {MOUNT} /var/lib/rekindle || true")
     # On the node the two directories sit side by side under the shared root.
     assert (root / a / NAME / "ck-a" / "pages-1.img").read_text() == "secret-a\n"

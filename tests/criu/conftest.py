@@ -73,6 +73,12 @@ def memprobe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _compile(tmp_path_factory, "memprobe")
 
 
+@pytest.fixture(scope="session")
+def heapprobe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The heapprobe test program (glibc heap probes, test_mmap_heap.py), compiled with gcc."""
+    return _compile(tmp_path_factory, "heapprobe")
+
+
 @pytest.fixture
 def probe(memprobe: Path, tmp_path: Path) -> Iterator[Probe]:
     """A memprobe tree (memprobe.c) for one test, killed afterwards."""

@@ -23,7 +23,6 @@ from .criu_helpers import Flavor, Probe, flavors, mapped_from, vmas_in
 pytestmark = pytest.mark.criu
 
 HEAP_FLAG = "--mmap-restore-heap"
-HERE = Path(__file__).resolve().parent
 LIVE = "live=256"  # heapprobe.c: 320 chunks, every fifth freed
 GROW_MIB = 64
 MAPPED_LOG = "heap VMAs are mapped too"
@@ -35,20 +34,6 @@ class HeapProbe(Probe):
     """A heapprobe process: memprobe's command protocol, glibc heap commands."""
 
     NAME = b"heapprobe"
-
-
-@pytest.fixture(scope="session")
-def heapprobe(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    gcc = shutil.which("gcc")
-    if not gcc:
-        pytest.skip("gcc not found")
-    out = tmp_path_factory.mktemp("heapprobe") / "heapprobe"
-    subprocess.run(
-        [gcc, "-O2", "-Wall", "-Werror", "-o", str(out), str(HERE / "heapprobe.c")],
-        check=True,
-        timeout=120,
-    )
-    return out
 
 
 @pytest.fixture

@@ -11,10 +11,14 @@ from __future__ import annotations
 import os
 import platform
 import re
+import subprocess
+import time
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
 
 # -- the machine a result was taken on ------------------------------------------------
 
@@ -28,6 +32,77 @@ def host_facts(**loads: tuple[float, float, float]) -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "memory_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30,
         **loads,
+    }
+
+
+# -- where a result came from -------------------------------------------------------
+
+# What every bench measures besides its own module: the shipped code and the CRIU patches.
+# A results file names these plus its bench's module; `bench report` marks it stale when
+# any of them changed after the commit it was made from.
+MEASURED_ALWAYS = (
+    "images/runtime/rekindle_agent",
+    "images/runtime/rekindle_weights",
+    "operator/rekindle_contract",
+    "criu-patches",
+    "scripts/build-criu",
+    "images/runtime/requirements-vllm-cpu.txt",
+    "scripts/rekindle_dev/harness.py",
+    "scripts/rekindle_dev/bench_common.py",
+)
+
+
+def git_commit(paths: Sequence[str] = (), repo: Path = REPO) -> tuple[str, bool]:
+    """(HEAD's full hash, whether paths (default: the whole tree) have uncommitted
+    changes); ("", False) outside a git checkout (an installed copy): the report then
+    calls the file unproven."""
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(repo), "rev-parse", "HEAD"],
+            capture_output=True, text=True, check=True, timeout=30,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no", "--", *paths],
+            capture_output=True, text=True, check=True, timeout=30,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "", False
+    return head, bool(dirty)
+
+
+def provenance(
+    command: str,
+    measured: Sequence[str],
+    load_avg_at_start: tuple[float, float, float],
+    started: float | None = None,
+    scratch: str = "/var/tmp",
+) -> dict[str, Any]:
+    """The keys every results file carries, so a reader (and `bench report`) can tell
+    where each number came from and whether the code it measured has changed since.
+
+    command: the command line that reproduces the file; measured: repository paths
+    (files or directories) whose code the numbers depend on, besides MEASURED_ALWAYS;
+    load_avg_at_start: os.getloadavg() before the first timed step; started: time.time()
+    at the start (default now); scratch: where the bench wrote (its disk is named, with
+    whether the kernel calls it rotational). Call it when writing the file: the end load
+    is now."""
+    from rekindle_dev.machine import machine
+
+    paths = sorted({*MEASURED_ALWAYS, *measured})
+    commit, dirty = git_commit(paths)
+    t0 = time.time() if started is None else started
+    return {
+        "commit": commit,
+        "dirty": dirty,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": command,
+        "host": {
+            **machine(scratch),
+            "load_avg_at_start": [round(x, 2) for x in load_avg_at_start],
+            "load_avg_at_end": [round(x, 2) for x in os.getloadavg()],
+        },
+        "measured_paths": paths,
     }
 
 

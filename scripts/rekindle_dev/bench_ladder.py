@@ -32,14 +32,30 @@ from typing import Any
 from rekindle_agent.immutable import remove_tree
 from rekindle_contract.manifest import WEIGHTS_SUBDIR
 
-from rekindle_dev.bench_common import host_facts, residency_cell
-from rekindle_dev.bench_local import RESTORE_PHASES, drop_caches, log, one_run, summarize
+from rekindle_dev import plain_criu
+from rekindle_dev.bench_common import provenance
+from rekindle_dev.bench_local import (
+    RESTORE_PHASES,
+    data_paths,
+    log,
+    make_checkpoint,
+    one_run,
+    per_trial_ratios,
+    percent_cell,
+    plain_run,
+    prepare_cache,
+    rotated,
+    runtime_paths,
+    summarize,
+)
 from rekindle_dev.bench_weights import read_file_gbps
 from rekindle_dev.harness import AgentFactory
 from rekindle_dev.ladder import SIZES, generate_ladder_model, param_count, spec_for
+from rekindle_dev.ports import free_port
 
 RESTORE = "patched-signed"  # bench_local's variant: mmap restore, prefetch, signed + BLAKE3
-VARIANTS = ("naive", RESTORE)
+PLAIN = "plain-criu"  # stock CRIU over the whole server (rekindle_dev.plain_criu)
+VARIANTS = ("naive", PLAIN, RESTORE)
 
 
 def checkpoint_sizes(files: Iterable[Mapping[str, Any]]) -> dict[str, int]:
@@ -55,90 +71,95 @@ def checkpoint_sizes(files: Iterable[Mapping[str, Any]]) -> dict[str, int]:
 
 
 def summarize_size(runs: list[dict[str, Any]], weights_bytes: int) -> dict[str, Any]:
-    """Medians per (variant, cache); restore/naive ratios and the reload rate."""
-    out: dict[str, Any] = {}
-    for variant in VARIANTS:
-        for cache in ("warm", "cold"):
-            rs = [r for r in runs if r["variant"] == variant and r["cache"] == cache]
-            if not rs:
-                continue
-            ttfts = [r["ttft"] for r in rs]
-            names = list(dict.fromkeys(p for r in rs for p in r["phases"]))
-            s: dict[str, Any] = {
-                "trials": len(rs),
-                "ttft_median": statistics.median(ttfts),
-                "ttft_min": min(ttfts),
-                "ttft_max": max(ttfts),
-                "phases_median": {
-                    p: statistics.median(r["phases"].get(p, 0.0) for r in rs) for p in names
-                },
-                "mmap": any(r["mmap"] for r in rs),
-            }
-            # Residency before the restores, the naive boots' own vLLM split: bench_local's.
-            local = summarize(rs)[f"{variant}/{cache}"]
-            for k in ("residency_before_percent", "vllm_split_median", "vllm_split_trials"):
-                if k in local:
-                    s[k] = local[k]
-            reload = [r["phases"]["reload_weights"] for r in rs if "reload_weights" in r["phases"]]
-            if reload:
-                s["reload_seconds_median"] = statistics.median(reload)
-                s["reload_gb_per_s_median"] = statistics.median(
-                    weights_bytes / t / 1e9 for t in reload
+    """bench_local's summary per (variant, cache), plus the reload's rate: the weight dump's
+    bytes over reload_weights alone, and over reload_weights plus the wait for the dump's
+    check (weights_check_wait: its BLAKE3, which the reload waits for)."""
+    out: dict[str, Any] = summarize(runs)
+    for key, s in out.items():
+        variant, _, cache = key.partition("/")
+        rs = [r for r in runs if r["variant"] == variant and r["cache"] == cache]
+        reload = [r["phases"]["reload_weights"] for r in rs if "reload_weights" in r["phases"]]
+        if reload:
+            waits = [r["phases"].get("weights_check_wait", 0.0) for r in rs]
+            s["reload_seconds_median"] = statistics.median(reload)
+            s["reload_gb_per_s_median"] = statistics.median(weights_bytes / t / 1e9 for t in reload)
+            s["reload_checked_gb_per_s_median"] = statistics.median(
+                weights_bytes / (t + w) / 1e9
+                for t, w in zip(
+                    [r["phases"]["reload_weights"] for r in rs if "reload_weights" in r["phases"]],
+                    [w for r, w in zip(rs, waits, strict=True) if "reload_weights" in r["phases"]],
+                    strict=True,
                 )
-            out[f"{variant}/{cache}"] = s
-    for cache in ("warm", "cold"):
-        naive, restore = out.get(f"naive/{cache}"), out.get(f"{RESTORE}/{cache}")
-        if naive and restore:
-            restore["fraction_of_naive"] = restore["ttft_median"] / naive["ttft_median"]
-            restore["speedup_vs_naive"] = naive["ttft_median"] / restore["ttft_median"]
+            )
+        if "speedup_vs_naive" in s:
+            s["fraction_of_naive"] = 1.0 / s["speedup_vs_naive"]
+            s["fraction_per_trial"] = [
+                round(1.0 / x, 3) for x in per_trial_ratios(runs, variant, cache)
+            ]
     return out
 
 
-def bench_size(size: str, args: argparse.Namespace, criu: Path, key_file: Path) -> dict[str, Any]:
-    """Checkpoint one ladder model, then the interleaved trials; this size's results."""
+def bench_size(
+    size: str, args: argparse.Namespace, criu: dict[str, Path], key_file: Path
+) -> dict[str, Any]:
+    """Checkpoint one ladder model (and dump it whole for plain-criu), then the
+    interleaved trials, every arm warmed or dropped alike (bench_local.prepare_cache)."""
     spec = spec_for(size)
     model = generate_ladder_model(size, progress=lambda m: log(m))
     work = Path(args.work) / size
     work.mkdir(parents=True, exist_ok=True)
-    factory = AgentFactory(work, model, criu)
+    factory = AgentFactory(work, model, criu[RESTORE])
     ckpt = factory.checkpoints / f"ladder-{size}-{int(time.time())}"
     log(f"{size}: booting once to make the checkpoint (signed)")
-    agent = factory.start(name="make-checkpoint", signing_key_file=str(key_file))
-    try:
-        boot = agent.wait_ready(1800)
-        man = agent.client.checkpoint(str(ckpt), timeout=1800)
-    finally:
-        agent.stop()
+    man = make_checkpoint(factory, ckpt, key_file, 1)
     sizes = checkpoint_sizes(man["files"])
     log(f"{size}: checkpoint {sizes['total'] / 2**30:.2f} GiB ({sizes})")
+    order = [v for v in args.variants.split(",") if v]
+    plain = None
+    plain_bytes = None
     runs: list[dict[str, Any]] = []
     reads: list[dict[str, float]] = []
-    criu_for = {RESTORE: criu}
+    runtime = runtime_paths()
     try:
+        if PLAIN in order:
+            log(f"{size}: booting vLLM plainly and dumping the whole server with stock CRIU")
+            plain = plain_criu.dump_whole_server(
+                criu[PLAIN], model, factory.served_name, free_port(), work / "plain"
+            )
+            plain_bytes = plain.bytes()
         for trial in range(args.trials):
             for cache in ("warm", "cold"):
-                for variant in VARIANTS:
-                    if cache == "cold":
-                        drop_caches()
-                    name = f"{variant}-{cache}-{trial}"
-                    r = one_run(
-                        factory, variant, ckpt, criu_for, name, key_file, warm=cache == "warm"
-                    )
-                    r.update(cache=cache, trial=trial, load_avg=os.getloadavg())
+                for variant in rotated(order, trial):
+                    data = data_paths(variant, model, ckpt, plain)
+                    before = prepare_cache(cache, runtime, data)
+                    if variant == PLAIN:
+                        assert plain is not None
+                        r = plain_run(criu[PLAIN], plain, work / "plain")
+                    else:
+                        name = f"{variant}-{cache}-{trial}"
+                        r = one_run(factory, variant, ckpt, criu, name, key_file)
+                    r.update(cache=cache, trial=trial, cache_before=before)
                     runs.append(r)
-                    log(f"{size} trial {trial} {variant:14s} {cache}: first token {r['ttft']:.2f}s")
+                    log(
+                        f"{size} trial {trial} {variant:14s} {cache}: first token "
+                        f"{r['ttft']:.2f}s (page cache before: data "
+                        f"{before['data']['percent']:.1f}%, runtime "
+                        f"{before['runtime']['percent']:.1f}%)"
+                    )
             reads.append(best_read(ckpt / WEIGHTS_SUBDIR / "weights-rank0.bin"))
             log(f"{size} trial {trial} page-cache read of the dump: {reads[-1]['best']:.2f} GB/s")
     finally:
         remove_tree(ckpt)  # its pages images are immutable once proven: rm -rf cannot
+        if plain is not None:
+            remove_tree(work / "plain")
     return {
         "size": size,
         "architecture": spec.architecture,
         "shape_of": spec.name,
         "params": param_count(spec),
         "model_dir": str(model),
-        "first_boot_timings": boot.timings.get("boot", {}),
         "checkpoint_bytes": sizes,
+        "plain_criu_image_bytes": plain_bytes,
         "checkpoint_timings": man["timings"],
         "summary": with_read_baseline(summarize_size(runs, sizes["weights"]), reads),
         "runs": runs,
@@ -166,11 +187,7 @@ def with_read_baseline(summary: dict[str, Any], reads: list[dict[str, float]]) -
         s["read_best_gbps_range"] = spread
         if s.get("reload_gb_per_s_median") and key.startswith(RESTORE):
             s["reload_vs_best_read"] = s["reload_gb_per_s_median"] / best
-            wait = s["phases_median"].get("weights_check_wait", 0.0)
-            secs = s["reload_seconds_median"] + wait
-            s["reload_checked_vs_best_read"] = (
-                s["reload_gb_per_s_median"] * (s["reload_seconds_median"] / secs) / best
-            )
+            s["reload_checked_vs_best_read"] = s["reload_checked_gb_per_s_median"] / best
     return summary
 
 
@@ -185,11 +202,34 @@ def vs_read_cell(r: dict[str, Any]) -> str:
     )
 
 
+def reload_cell(r: dict[str, Any], cache: str) -> str:
+    """Reload GB/s alone / with the wait for its check; a cold row says where the bytes
+    came from: the prefetch had read the dump into the page cache before the reload."""
+    if "reload_gb_per_s_median" not in r:
+        return "-"
+    cell = f"{r['reload_gb_per_s_median']:.2f} / {r['reload_checked_gb_per_s_median']:.2f}"
+    return cell + (" (page cache: prefetched)" if cache == "cold" else "")
+
+
+def trials_cell(r: dict[str, Any] | None) -> str:
+    """median (per-trial values) of a row's first token."""
+    if not r:
+        return "-"
+    per = ", ".join(f"{t:.2f}" for t in r.get("ttft_trials", []))
+    return f"{r['ttft_median']:.2f} ({per})"
+
+
+def fraction_cell(r: dict[str, Any]) -> str:
+    per = ", ".join(f"1/{1 / f:.1f}" for f in r.get("fraction_per_trial", []))
+    return f"1/{r['speedup_vs_naive']:.1f}" + (f" ({per})" if per else "")
+
+
 def table(results: list[dict[str, Any]]) -> str:
     lines = [
-        "| size | params | checkpoint (GiB) | weights (GiB) | cache | naive (s) | restore (s) "
-        "| restore / naive | reload (s) | reload GB/s | ÷ best page-cache read "
-        "(reload / with its check) | page cache before restore (%) |",
+        "| size | params | checkpoint (GiB) | weights (GiB) | cache | naive (s) | plain CRIU (s) "
+        "| restore (s) | restore / naive | reload GB/s (alone / with its check) "
+        "| ÷ best page-cache read (alone / with its check) "
+        "| page cache before: data, runtime (%) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for res in results:
@@ -198,14 +238,16 @@ def table(results: list[dict[str, Any]]) -> str:
             n, r = s.get(f"naive/{cache}"), s.get(f"{RESTORE}/{cache}")
             if not (n and r):
                 continue
+            resid = "; ".join(
+                f"{name} {percent_cell(row.get('residency_before_percent'))}, "
+                f"{percent_cell(row.get('runtime_residency_percent'))}"
+                for name, row in (("naive", n), ("restore", r))
+            )
             lines.append(
                 f"| {res['size']} | {res['params'] / 1e9:.2f}B | {cb['total'] / 2**30:.2f} "
-                f"| {cb['weights'] / 2**30:.2f} | {cache} "
-                f"| {n['ttft_median']:.2f} ({n['ttft_min']:.2f}-{n['ttft_max']:.2f}) "
-                f"| {r['ttft_median']:.2f} ({r['ttft_min']:.2f}-{r['ttft_max']:.2f}) "
-                f"| 1/{r['speedup_vs_naive']:.1f} | {r.get('reload_seconds_median', 0):.2f} "
-                f"| {r.get('reload_gb_per_s_median', 0):.2f} | {vs_read_cell(r)} "
-                f"| {residency_cell({'variant': RESTORE, **r})} |"
+                f"| {cb['weights'] / 2**30:.2f} | {cache} | {trials_cell(n)} "
+                f"| {trials_cell(s.get(f'{PLAIN}/{cache}'))} | {trials_cell(r)} "
+                f"| {fraction_cell(r)} | {reload_cell(r, cache)} | {vs_read_cell(r)} | {resid} |"
             )
     lines += ["", "Median restore phases (s):", ""]
     for res in results:
@@ -278,8 +320,16 @@ def render(out: Path, doc: dict[str, Any]) -> str:
 def command_line(args: argparse.Namespace) -> str:
     return (
         f"rekindle-dev bench ladder --criu-prefix {args.criu_prefix} --sizes {args.sizes} "
-        f"--trials {args.trials} --work {args.work} --out {args.out}"
+        f"--variants {args.variants} --trials {args.trials} --work {args.work} --out {args.out}"
     )
+
+
+MEASURED = (
+    "scripts/rekindle_dev/bench_ladder.py",
+    "scripts/rekindle_dev/bench_local.py",
+    "scripts/rekindle_dev/plain_criu.py",
+    "scripts/rekindle_dev/ladder.py",
+)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -292,11 +342,18 @@ def run(args: argparse.Namespace) -> int:
             "rekindle-dev bench ladder: needs root (CRIU, namespaces, drop_caches)", file=sys.stderr
         )
         return 2
-    criu = Path(args.criu_prefix) / "patched" / "criu"
-    if not args.criu_prefix or not os.access(criu, os.X_OK):
-        print(
-            f"no CRIU at {criu}: pass scripts/build-criu's output as --criu-prefix", file=sys.stderr
-        )
+    prefix = Path(args.criu_prefix)
+    criu = {RESTORE: prefix / "patched" / "criu", PLAIN: prefix / "stock" / "criu"}
+    for path in criu.values():
+        if not args.criu_prefix or not os.access(path, os.X_OK):
+            print(
+                f"no CRIU at {path}: pass scripts/build-criu's output as --criu-prefix",
+                file=sys.stderr,
+            )
+            return 2
+    order = [v for v in args.variants.split(",") if v]
+    if "naive" not in order or any(v not in VARIANTS for v in order):
+        print(f"--variants: naive and any of {', '.join(VARIANTS[1:])}", file=sys.stderr)
         return 2
     sizes = [s for s in args.sizes.split(",") if s]
     if not sizes:
@@ -304,21 +361,26 @@ def run(args: argparse.Namespace) -> int:
         return 2
     for s in sizes:
         spec_for(s)  # an unknown size fails before anything runs
+    load_start, started = os.getloadavg(), time.time()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     key_file = work / "signing-key"
     key_file.write_text(secrets.token_hex(32) + "\n")
     key_file.chmod(0o600)
     out.mkdir(parents=True, exist_ok=True)
-    doc: dict[str, Any] = {
-        "command": command_line(args),
-        "host": host_facts(load_avg_at_start=os.getloadavg()),
-        "variants": {"naive": "restore_policy never", RESTORE: "mmap auto, prefetch, signed"},
-        "results": [],
-    }
+    results: list[dict[str, Any]] = []
+    text = ""
     for size in sizes:
-        doc["results"].append(bench_size(size, args, criu, key_file))
-        doc["host"]["load_avg_at_end"] = os.getloadavg()
+        results.append(bench_size(size, args, criu, key_file))
+        doc = {
+            **provenance(command_line(args), MEASURED, load_start, started, scratch=str(work)),
+            "variants": {
+                "naive": "restore_policy never",
+                PLAIN: "stock CRIU of the whole server, no agent (rekindle_dev.plain_criu)",
+                RESTORE: "mmap auto, prefetch, signed",
+            },
+            "results": results,
+        }
         (out / "results.json").write_text(json.dumps(doc, indent=2))  # after every size
         text = render(out, doc)
     print(text)
@@ -327,7 +389,12 @@ def run(args: argparse.Namespace) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--criu-prefix", default="", help="scripts/build-criu's output directory")
-    p.add_argument("--sizes", default="0.5b,1.5b", help=f"comma-separated, of {', '.join(SIZES)}")
+    p.add_argument(
+        "--sizes", default="0.5b,1.5b,3b", help=f"comma-separated, of {', '.join(SIZES)}"
+    )
+    p.add_argument(
+        "--variants", default=",".join(VARIANTS), help=f"naive first; of {', '.join(VARIANTS)}"
+    )
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--work", default="/var/tmp/rekindle-bench-ladder", help="scratch (on disk)")
     p.add_argument("--out", default="docs/bench/ladder")

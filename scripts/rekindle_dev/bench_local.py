@@ -1,8 +1,13 @@
 """`rekindle-dev bench local`: naive boot vs CRIU restore, on this machine, launch to first token.
 
-Every variant runs the real agent as PID 1 of a fresh PID+mount namespace with
-an empty /dev/shm (rekindle_dev.harness), like a new pod:
+Every agent variant runs the real agent as PID 1 of a fresh PID+mount
+namespace with an empty /dev/shm (rekindle_dev.harness), like a new pod:
   naive    no checkpoint: vLLM boots
+  plain-criu  no agent and none of Rekindle: stock CRIU dumped the whole
+           vLLM server (weights and KV cache in the image, no sleep) and
+           restores it, /dev/shm copied back (rekindle_dev.plain_criu): the
+           simplest alternative a user could script, so each of Rekindle's
+           parts shows its own gain
   stock    restore with stock CRIU (copying restore), no prefetch; checksums
            verified up front
   stock+prefetch  the same CRIU with the prefetch (separates the two gains)
@@ -14,17 +19,26 @@ an empty /dev/shm (rekindle_dev.harness), like a new pod:
            manifest's signature checked too. The checkpoint the bench makes is
            always signed (unsigned agents accept it), so patched-size, patched
            and patched-signed differ only in what the restore checks
-each with a warm page cache (the checkpoint read once just before, untimed:
-on a shared machine another job's drop_caches could otherwise make a warm row
-cold) and a cold one (`echo 3 > /proc/sys/vm/drop_caches`), for N trials,
-interleaved. Time to first token = agent launch to the answer of a one-token
-completion through the agent's proxy. Every restore records how
-much of the checkpoint was in the page cache just before it started
-(rekindle_agent.residency: warm should read ~100 %, cold ~0 %), and every
-naive boot its own split into phases from its vLLM log
-(bench_common.parse_vllm_log), so the report's naive split and ratios come
-from the same run. Results: JSON, a Markdown table and a PNG of stacked phase
-bars.
+
+Warm and cold are the same for every arm. Warm: just before the launch
+(untimed) `vmtouch -t` reads everything the arm reads at start into the page
+cache: the runtime (the interpreter's standard library, the Python env with
+torch and vLLM, the project) plus the arm's data (the model for naive, the
+checkpoint for a restore, the whole-server image for plain-criu). Cold:
+`echo 3 > /proc/sys/vm/drop_caches` just before the launch (the guest's page
+cache only: a virtual disk may still be cached by the host; results record the
+disk-read floor and what the kernel says of the disk). Every run records how
+much of its runtime and of its data were in the page cache just before it
+started (rekindle_agent.residency), so each row's label is proven. Trials
+interleave every arm, warm and cold, with the arms' order rotated per trial;
+the cold disk-read floor (every checkpoint file read once, in parallel) is
+measured once per trial before the cold runs. Ratios are per trial (naive's
+run over the arm's run of the same trial and cache) and their median, beside
+the ratio of the medians. Time to first token = launch to the answer of a
+one-token completion (through the agent's proxy; plain-criu: vLLM's port).
+Every naive boot's split into phases comes from its own vLLM log
+(bench_common.parse_vllm_log). Results: JSON (with provenance), a Markdown
+table and a PNG of stacked phase bars.
 """
 
 from __future__ import annotations
@@ -45,12 +59,16 @@ from rekindle_agent import residency
 from rekindle_agent.immutable import remove_tree
 from rekindle_contract.api import PATH_READYZ
 
-from rekindle_dev.bench_common import host_facts, parse_vllm_log, residency_cell
+from rekindle_dev import plain_criu
+from rekindle_dev.bench_common import parse_vllm_log, provenance
 from rekindle_dev.harness import AgentFactory, AgentProc
+from rekindle_dev.ports import free_port
 
 # The agent's settings per variant (AgentArgs fields).
 VARIANTS: dict[str, dict[str, Any]] = {
     "naive": {"restore_policy": "never"},
+    # Not the agent: stock CRIU over the whole server (rekindle_dev.plain_criu).
+    "plain-criu": {},
     "stock": {"mmap_restore": "off", "prefetch": False},
     "stock+prefetch": {"mmap_restore": "off", "prefetch": True},
     "patched": {"mmap_restore": "auto", "prefetch": True},
@@ -84,6 +102,70 @@ def drop_caches() -> None:
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
+def runtime_paths() -> list[Path]:
+    """What every arm's processes read at start, whatever they restore: this interpreter's
+    standard library and site directories (the checkout's .venv and, through its .pth,
+    the shared env with torch and vLLM) and the project's packages (installed editable,
+    so not on sys.path). The agent, vLLM and a restored tree all run this interpreter."""
+    import rekindle_agent
+    import rekindle_contract
+    import rekindle_weights
+
+    found = [Path(p).resolve() for p in sys.path if p and Path(p).is_dir()]
+    packages = (rekindle_agent, rekindle_contract, rekindle_weights)
+    found += [Path(str(m.__file__)).resolve().parent for m in packages]
+    found.append(Path(sys.executable).resolve())
+    unique = sorted(set(found), key=lambda p: len(p.parts))
+    out: list[Path] = []
+    for p in unique:  # drop paths inside one already listed (the stdlib's lib-dynload)
+        if not any(p.is_relative_to(q) for q in out):
+            out.append(p)
+    return sorted(out)
+
+
+def warm_paths(paths: list[Path]) -> None:
+    """Read paths (files or trees) into the page cache: `vmtouch -t`, the tool for it (no
+    check is wanted here, unlike a restore's prefetch, which hashes what it reads)."""
+    vmtouch = residency.vmtouch_binary()
+    if vmtouch is None:
+        raise RuntimeError("vmtouch is not installed: apt-get install vmtouch")
+    subprocess.run([vmtouch, "-t", "-q", *map(str, paths)], check=True, timeout=1800)
+
+
+def residency_of(paths: list[Path]) -> dict[str, Any]:
+    """residency() summed over paths: bytes, resident_bytes, percent."""
+    total = resident = 0
+    for p in paths:
+        r = residency.residency(p)
+        total += int(r["bytes"])
+        resident += int(r["resident_bytes"])
+    pct = round(100.0 * resident / total, 1) if total else 100.0
+    return {"bytes": total, "resident_bytes": resident, "percent": pct}
+
+
+def data_paths(
+    variant: str, model: Path, ckpt: Path, plain: plain_criu.PlainImage | None
+) -> list[Path]:
+    """The arm's own data, read at start: the model (naive), the whole-server image
+    (plain-criu) or the checkpoint (every agent restore)."""
+    if variant == "naive":
+        return [model]
+    if variant == "plain-criu":
+        assert plain is not None, "plain-criu needs its whole-server image"
+        return plain.paths()
+    return [ckpt]
+
+
+def prepare_cache(cache: str, runtime: list[Path], data: list[Path]) -> dict[str, Any]:
+    """Make the page cache what the row says (warm: runtime and data read; cold: dropped),
+    then measure it: {"runtime": residency, "data": residency} just before the launch."""
+    if cache == "cold":
+        drop_caches()
+    else:
+        warm_paths([*runtime, *data])
+    return {"runtime": residency_of(runtime), "data": residency_of(data)}
+
+
 def wait_ready_tight(agent: AgentProc, timeout: float) -> float:
     """Poll /readyz every 10 ms; seconds since launch when it first answered 200."""
     deadline = time.monotonic() + timeout
@@ -108,10 +190,8 @@ def one_run(
     name: str,
     key_file: Path | None = None,
     tp: int = 1,
-    warm: bool = False,
 ) -> dict[str, Any]:
-    """One launch to first token; warm: read the checkpoint into the page cache first
-    (untimed), so a cache that someone else dropped meanwhile cannot pass for warm."""
+    """One agent launch to first token, with the page cache as the caller left it."""
     settings = dict(VARIANTS[variant])
     if tp != 1:  # vLLM's tensor-parallel ranks (on CPU, one worker process each)
         settings["tensor_parallel_size"] = tp
@@ -121,10 +201,6 @@ def one_run(
         settings.update(checkpoint=str(ckpt), criu=str(criu[variant]))
     for stale in (CRIU_STATS, CRIU_LOG, VLLM_LOG):  # the run writes them anew
         (factory.run_dir / stale).unlink(missing_ok=True)
-    if warm and variant != "naive":
-        warm_checkpoint(ckpt)
-    # Before the launch, so asking costs the timed run nothing.
-    resident = None if variant == "naive" else residency_before(ckpt)
     launched_wall = time.time()
     agent = factory.start(name=name, **settings)
     try:
@@ -161,33 +237,24 @@ def one_run(
     }
     if variant == "naive":
         out["vllm_split"] = vllm_split(factory.run_dir / VLLM_LOG, launched_wall, ready)
-    else:
-        out["residency_before"] = resident
     return out
 
 
+def plain_run(criu: Path, image: plain_criu.PlainImage, work: Path) -> dict[str, Any]:
+    """One plain-criu restore to first token (rekindle_dev.plain_criu), in one_run's shape."""
+    r = plain_criu.restore_once(criu, image, work)
+    phases = {"criu_restore": r.criu_s or 0.0, "to_first_token": r.ttft - (r.criu_s or 0.0)}
+    return {
+        "variant": "plain-criu",
+        "ttft": r.ttft,
+        "phases": phases,
+        "mmap": False,
+        "criu": criu_profile(work, stats="stats-restore", log_name="restore.log"),
+        "load_avg": os.getloadavg(),
+    }
+
+
 CRIU_STATS, CRIU_LOG, VLLM_LOG = "stats-restore", "restore.log", "vllm.log"
-
-
-def warm_checkpoint(ckpt: Path, threads: int = 8) -> None:
-    """Read every file of the checkpoint once (sizes checked only) into the page cache."""
-    from rekindle_agent import manifest_io, prefetch
-
-    res = prefetch.Prefetcher(ckpt, manifest_io.read(ckpt)["files"], threads, "size").result()
-    if res.bad:
-        raise RuntimeError(f"reading the checkpoint failed: {res.bad[:3]}")
-
-
-def residency_before(ckpt: Path) -> dict[str, Any] | None:
-    """How much of the checkpoint is in the page cache now (None, logged, if asking fails).
-
-    A warm restore should find ~100 %, a cold one ~0 %: the number proves the
-    row's label, and a warm row that is not fully cached explains a slow one."""
-    try:
-        return residency.residency(ckpt)
-    except (OSError, ValueError, subprocess.SubprocessError) as e:
-        log(f"no residency for {ckpt}: {e}")
-        return None
 
 
 def vllm_split(log_path: Path, launched_wall: float, ready: float) -> dict[str, Any]:
@@ -204,23 +271,48 @@ def vllm_split(log_path: Path, launched_wall: float, ready: float) -> dict[str, 
     return {"phases": doc["phases"], "eager": doc["eager"], "lines": doc["lines"]}
 
 
-def criu_profile(run_dir: Path) -> dict[str, float]:
+def criu_profile(
+    run_dir: Path, stats: str = "stats-restore", log_name: str = "restore.log"
+) -> dict[str, float]:
     """Inside the criu_restore phase, from CRIU's own stats and -v4 log (rekindle_agent.criu)."""
     from rekindle_agent import criu as criu_mod
 
     out: dict[str, float] = {}
     try:
-        stats = criu_mod.parse_restore_stats((run_dir / CRIU_STATS).read_bytes())
-        out["forking_s"] = stats.get("forking_us", 0) / 1e6
-        out["restore_s"] = stats.get("restore_us", 0) / 1e6
-        out["pages_restored"] = float(stats.get("pages_restored", 0))
+        stats_doc = criu_mod.parse_restore_stats((run_dir / stats).read_bytes())
+        out["forking_s"] = stats_doc.get("forking_us", 0) / 1e6
+        out["restore_s"] = stats_doc.get("restore_us", 0) / 1e6
+        out["pages_restored"] = float(stats_doc.get("pages_restored", 0))
     except (OSError, ValueError) as e:
         log(f"no CRIU stats: {e}")
     try:
-        prof = criu_mod.restore_log_profile((run_dir / CRIU_LOG).read_text(errors="replace"))
+        prof = criu_mod.restore_log_profile((run_dir / log_name).read_text(errors="replace"))
         out.update({f"log_{k}": v for k, v in prof.items()})
     except OSError as e:
         log(f"no CRIU log: {e}")
+    return out
+
+
+RESTORE_VARIANTS = ("plain-criu", "stock", "stock+prefetch", "patched", "patched-size",
+                    "patched-signed")  # fmt: skip
+
+
+def _range(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def per_trial_ratios(runs: list[dict[str, Any]], variant: str, cache: str) -> list[float]:
+    """naive's first token over variant's, trial by trial (same trial, same cache), in trial
+    order: the spread a skeptic wants beside the ratio of the medians."""
+    numbered = [r for r in runs if r.get("trial") is not None]  # older results: none
+    by_trial = {(r["variant"], r["cache"], r["trial"]): r["ttft"] for r in numbered}
+    out = []
+    for r in sorted(numbered, key=lambda r: r["trial"]):
+        if (r["variant"], r["cache"]) != (variant, cache):
+            continue
+        naive = by_trial.get(("naive", cache, r.get("trial")))
+        if naive is not None:
+            out.append(round(naive / r["ttft"], 2))
     return out
 
 
@@ -230,29 +322,33 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         rs = [r for r in runs if (r["variant"], r["cache"]) == key]
         ttfts = [r["ttft"] for r in rs]
         phase_names = list(dict.fromkeys(p for r in rs for p in r["phases"]))
-        out[f"{key[0]}/{key[1]}"] = {
+        row: dict[str, Any] = {
             "variant": key[0],
             "cache": key[1],
             "trials": len(rs),
             "ttft_median": statistics.median(ttfts),
             "ttft_min": min(ttfts),
             "ttft_max": max(ttfts),
+            "ttft_trials": [round(t, 3) for t in ttfts],
             "phases_median": {
                 p: statistics.median(r["phases"].get(p, 0.0) for r in rs) for p in phase_names
             },
             "mmap": any(r["mmap"] for r in rs),
         }
-        row = out[f"{key[0]}/{key[1]}"]
+        out[f"{key[0]}/{key[1]}"] = row
         readies = [r["ready"] for r in rs if "ready" in r]
         if readies:
             row["ready_median"] = statistics.median(readies)
-        percents = [r["residency_before"]["percent"] for r in rs if r.get("residency_before")]
-        if percents:
-            row["residency_before_percent"] = {
-                "median": statistics.median(percents),
-                "min": min(percents),
-                "max": max(percents),
-            }
+        # Residency just before each run: the arm's data (model, checkpoint or image) and the
+        # runtime. Older results have residency_before (the checkpoint only, restores only).
+        data = [r["cache_before"]["data"]["percent"] for r in rs if r.get("cache_before")]
+        runtime = [r["cache_before"]["runtime"]["percent"] for r in rs if r.get("cache_before")]
+        if not data:
+            data = [r["residency_before"]["percent"] for r in rs if r.get("residency_before")]
+        if data:
+            row["residency_before_percent"] = _range(data)
+        if runtime:
+            row["runtime_residency_percent"] = _range(runtime)
         splits = [r["vllm_split"] for r in rs if "phases" in (r.get("vllm_split") or {})]
         if splits:
             names = list(dict.fromkeys(k for sp in splits for k in sp["phases"]))
@@ -264,15 +360,21 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             row["eager"] = all(sp["eager"] for sp in splits)
         criu_keys = list(dict.fromkeys(k for r in rs for k in r.get("criu", {})))
         if criu_keys:
-            out[f"{key[0]}/{key[1]}"]["criu_median"] = {
+            row["criu_median"] = {
                 k: statistics.median(r.get("criu", {}).get(k, 0.0) for r in rs) for k in criu_keys
             }
     for cache in ("warm", "cold"):
         naive = out.get(f"naive/{cache}")
-        for v in ("stock", "stock+prefetch", "patched", "patched-size", "patched-signed"):
+        for v in RESTORE_VARIANTS:
             s = out.get(f"{v}/{cache}")
             if naive and s:
                 s["speedup_vs_naive"] = naive["ttft_median"] / s["ttft_median"]
+                s["speedup_per_trial"] = per_trial_ratios(runs, v, cache)
+        plain = out.get(f"plain-criu/{cache}")
+        for v in RESTORE_VARIANTS[1:]:
+            s = out.get(f"{v}/{cache}")
+            if plain and s:
+                s["speedup_vs_plain_criu"] = plain["ttft_median"] / s["ttft_median"]
     return out
 
 
@@ -294,27 +396,49 @@ def naive_split_lines(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
+def percent_cell(r: dict[str, Any] | None) -> str:
+    """A residency range as a table cell: "median (min-max)", "-" when not recorded."""
+    if not r:
+        return "-"
+    if r["min"] == r["max"]:
+        return f"{r['median']:.1f}"
+    return f"{r['median']:.1f} ({r['min']:.1f}-{r['max']:.1f})"
+
+
+def speed_cell(s: dict[str, Any]) -> str:
+    """x naive as the ratio of the medians, with the per-trial ratios beside it."""
+    if "speedup_vs_naive" not in s:
+        return "-"
+    trials = "/".join(f"{x:.1f}" for x in s.get("speedup_per_trial", []))
+    return f"{s['speedup_vs_naive']:.1f}" + (f" ({trials})" if trials else "")
+
+
 def table(summary: dict[str, Any]) -> str:
     lines = [
-        "| variant | cache | trials | TTFT median (s) | min-max (s) | x faster than naive "
-        "| page cache before restore (%) |",
-        "|---|---|---|---|---|---|---|",
+        "| variant | cache | trials | TTFT median (s) | per trial (s) "
+        "| x naive, median (per trial) | x plain CRIU | data in page cache before (%) "
+        "| runtime in page cache before (%) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for s in summary.values():
-        speed = f"{s['speedup_vs_naive']:.1f}" if "speedup_vs_naive" in s else "1.0"
+    rows = sorted(summary.values(), key=lambda s: (s["cache"] != "warm", s["variant"] != "naive"))
+    for s in rows:
+        trials = ", ".join(f"{t:.2f}" for t in s.get("ttft_trials", []))
+        vs_plain = f"{s['speedup_vs_plain_criu']:.2f}" if "speedup_vs_plain_criu" in s else "-"
+        speed = speed_cell(s)
         if "vs_disk_floor" in s:
-            speed += f" ({s['vs_disk_floor']:.2f}x the disk-read floor)"
+            speed += f"; {s['vs_disk_floor']:.2f}x the disk-read floor"
         lines.append(
             f"| {s['variant']}{' (mmap)' if s['mmap'] else ''} | {s['cache']} | {s['trials']} | "
-            f"{s['ttft_median']:.2f} | {s['ttft_min']:.2f}-{s['ttft_max']:.2f} | {speed} "
-            f"| {residency_cell(s)} |"
+            f"{s['ttft_median']:.2f} | {trials} | {speed} | {vs_plain} "
+            f"| {percent_cell(s.get('residency_before_percent'))} "
+            f"| {percent_cell(s.get('runtime_residency_percent'))} |"
         )
     lines += ["", "Median phase seconds:", ""]
-    for s in summary.values():
+    for s in rows:
         parts = ", ".join(f"{k} {v:.3f}" for k, v in s["phases_median"].items())
         lines.append(f"- {s['variant']}/{s['cache']}: {parts}")
     lines += naive_split_lines(summary)
-    criu_rows = [s for s in summary.values() if s.get("criu_median")]
+    criu_rows = [s for s in rows if s.get("criu_median")]
     if criu_rows:
         lines += [
             "",
@@ -477,6 +601,56 @@ def verify_cost(ckpt: Path, threads: int, trials: int) -> dict[str, Any]:
     return out
 
 
+def rotated(order: list[str], trial: int) -> list[str]:
+    """The arms' order for a trial: rotated by one each trial, so no arm always runs first
+    (after a drop, after the floor) or last."""
+    k = trial % len(order) if order else 0
+    return order[k:] + order[:k]
+
+
+def make_checkpoint(factory: AgentFactory, ckpt: Path, key_file: Path, tp: int) -> dict[str, Any]:
+    """Boot once and make the (signed) checkpoint every agent restore arm restores."""
+    log("booting once to make the checkpoint (signed)")
+    agent = factory.start(
+        name="make-checkpoint", signing_key_file=str(key_file), tensor_parallel_size=tp
+    )
+    try:
+        agent.wait_ready(900)
+        return dict(agent.client.checkpoint(str(ckpt), timeout=900))
+    finally:
+        agent.stop()
+
+
+def check_setup(args: argparse.Namespace) -> dict[str, Path] | str:
+    """The CRIU binaries per variant, or why the bench cannot run here."""
+    if os.geteuid() != 0:
+        return "rekindle-dev bench local: needs root (CRIU, namespaces, drop_caches)"
+    if not args.criu_prefix:
+        return "--criu-prefix is required: pass scripts/build-criu's output"
+    if residency.vmtouch_binary() is None:
+        return "vmtouch is not installed (warms and measures every arm): apt-get install vmtouch"
+    prefix = Path(args.criu_prefix)
+    criu = {"stock": prefix / "stock" / "criu", "patched": prefix / "patched" / "criu"}
+    criu["stock+prefetch"] = criu["plain-criu"] = criu["stock"]
+    criu["patched-size"] = criu["patched-signed"] = criu["patched"]
+    for p in criu.values():
+        if not os.access(p, os.X_OK):
+            return f"no CRIU at {p}: run scripts/build-criu and pass its output"
+    unknown = [v for v in args.variants.split(",") if v and v not in VARIANTS]
+    if unknown:
+        return f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}"
+    if "naive" not in args.variants.split(","):
+        return "--variants must include naive: every ratio is against it"
+    return criu
+
+
+MEASURED = (
+    "scripts/rekindle_dev/bench_local.py",
+    "scripts/rekindle_dev/plain_criu.py",
+    "scripts/rekindle_dev/models.py",
+)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.replot:
         out = Path(args.out)
@@ -486,22 +660,11 @@ def run(args: argparse.Namespace) -> int:
             summary["disk-floor/cold"] = floor_row(doc["disk_floor_seconds"]["median"], summary)
         print(render(out, summary))
         return 0
-    if os.geteuid() != 0:
-        print(
-            "rekindle-dev bench local: needs root (CRIU, namespaces, drop_caches)", file=sys.stderr
-        )
+    criu = check_setup(args)
+    if isinstance(criu, str):
+        print(criu, file=sys.stderr)
         return 2
-    if not args.criu_prefix:
-        print("--criu-prefix is required: pass scripts/build-criu's output", file=sys.stderr)
-        return 2
-    prefix = Path(args.criu_prefix)
-    criu = {"stock": prefix / "stock" / "criu", "patched": prefix / "patched" / "criu"}
-    criu["stock+prefetch"] = criu["stock"]
-    criu["patched-size"] = criu["patched-signed"] = criu["patched"]
-    for p in criu.values():
-        if not os.access(p, os.X_OK):
-            print(f"no CRIU at {p}: run scripts/build-criu and pass its output", file=sys.stderr)
-            return 2
+    load_start, started = os.getloadavg(), time.time()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     model = Path(args.model) if args.model else None
@@ -514,33 +677,41 @@ def run(args: argparse.Namespace) -> int:
     key_file.write_text(secrets.token_hex(32) + "\n")
     key_file.chmod(0o600)
     ckpt = factory.checkpoints / f"bench-{int(time.time())}"
-    log("booting once to make the checkpoint (signed)")
-    agent = factory.start(
-        name="make-checkpoint", signing_key_file=str(key_file), tensor_parallel_size=args.tp
-    )
-    try:
-        agent.wait_ready(900)
-        man = agent.client.checkpoint(str(ckpt), timeout=900)
-    finally:
-        agent.stop()
+    man = make_checkpoint(factory, ckpt, key_file, args.tp)
     size = sum(int(f["size"]) for f in man["files"])
     log(f"checkpoint {ckpt}: {size / 2**30:.2f} GiB")
+    order = [v for v in args.variants.split(",") if v]
+    plain = None
+    if "plain-criu" in order:
+        log("booting vLLM plainly and dumping the whole server with stock CRIU")
+        plain = plain_criu.dump_whole_server(
+            criu["plain-criu"], model, factory.served_name, free_port(), work / "plain"
+        )
+        log(f"whole-server image: {plain.bytes() / 2**30:.2f} GiB")
     verify = verify_cost(ckpt, 8, args.trials) if args.verify_cost else None
+    runtime = runtime_paths()
     runs: list[dict[str, Any]] = []
     floors: list[float] = []
-    order = [v for v in args.variants.split(",") if v]
     for trial in range(args.trials):
-        floors.append(disk_floor(ckpt, man["files"]))
-        log(f"trial {trial} disk-read floor (cold, parallel): {floors[-1]:.2f}s")
         for cache in ("warm", "cold"):
-            for variant in order:
-                if cache == "cold":
-                    drop_caches()
-                name = f"{variant}-{cache}-{trial}"
-                r = one_run(factory, variant, ckpt, criu, name, key_file, args.tp, cache == "warm")
-                r.update(cache=cache, trial=trial)
+            if cache == "cold":
+                floors.append(disk_floor(ckpt, man["files"]))
+                log(f"trial {trial} disk-read floor (cold, parallel): {floors[-1]:.2f}s")
+            for variant in rotated(order, trial):
+                before = prepare_cache(cache, runtime, data_paths(variant, model, ckpt, plain))
+                if variant == "plain-criu":
+                    assert plain is not None
+                    r = plain_run(criu[variant], plain, work / "plain")
+                else:
+                    name = f"{variant}-{cache}-{trial}"
+                    r = one_run(factory, variant, ckpt, criu, name, key_file, args.tp)
+                r.update(cache=cache, trial=trial, cache_before=before)
                 runs.append(r)
-                log(f"trial {trial} {variant:8s} {cache}: first token {r['ttft']:.2f}s")
+                log(
+                    f"trial {trial} {variant:14s} {cache}: first token {r['ttft']:.2f}s "
+                    f"(page cache before: data {before['data']['percent']:.1f}%, "
+                    f"runtime {before['runtime']['percent']:.1f}%)"
+                )
     remove_tree(ckpt)  # its pages images are immutable once proven: rm -rf cannot
     summary = summarize(runs)
     floor = {"seconds": floors, "median": statistics.median(floors)} if floors else None
@@ -549,10 +720,11 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     doc = {
-        "command": command_line(args),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "host": host_facts(load_avg_at_end=os.getloadavg()),
+        **provenance(command_line(args), MEASURED, load_start, started, scratch=str(work)),
+        "cold_means": COLD_MEANS,
+        "runtime_paths": [str(p) for p in runtime],
         "checkpoint_bytes": size,
+        "plain_criu_image_bytes": plain.bytes() if plain else None,
         "verify_cost_seconds": verify,
         "disk_floor_seconds": floor,
         "checkpoint_timings": man["timings"],
@@ -565,6 +737,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+COLD_MEANS = (
+    "the guest's page cache dropped (echo 3 > /proc/sys/vm/drop_caches) just before the "
+    "launch; on a virtual machine the host may still cache the disk image, so compare the "
+    "disk-read floor measured in the same run (GB/s) with what the disk really does"
+)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--criu-prefix", default="", help="scripts/build-criu's output directory")
     p.add_argument("--model", help="model directory (default: generate the tiny model)")
@@ -572,7 +751,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tp", type=int, default=1, help="vLLM tensor-parallel ranks (CPU: a worker process each)"
     )
-    p.add_argument("--variants", default="naive,stock,stock+prefetch,patched")
+    p.add_argument(
+        "--variants",
+        default="naive,plain-criu,stock,patched-signed",
+        help=f"comma-separated, naive first; of {', '.join(VARIANTS)}",
+    )
     p.add_argument("--work", default="/var/tmp/rekindle-bench", help="scratch (on disk)")
     p.add_argument("--out", default="docs/bench/local")
     p.add_argument("--replot", action="store_true", help="only redraw from OUT/results.json")

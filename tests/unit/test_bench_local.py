@@ -55,12 +55,16 @@ def test_summary_keeps_residency_and_the_naive_split_of_the_same_run() -> None:
     assert "residency_before_percent" not in naive
 
 
-def test_table_has_the_residency_column_and_the_split() -> None:
+def test_table_has_the_residency_columns_and_the_split() -> None:
     text = bench_local.table(bench_local.summarize(RUNS))
-    assert "page cache before restore (%) |" in text
-    assert "| patched (mmap) | cold | 3 | 3.10 | 3.00-3.20 | 10.3 | 1.0 (0.0-2.0) |" in text
-    assert "| patched (mmap) | warm | 1 | 1.00 | 1.00-1.00 | 1.0 | 100.0 |" in text
-    assert "| naive (mmap) | cold | 3 | 32.00 | 30.00-34.00 | 1.0 | - |" in text
+    assert "| data in page cache before (%) | runtime in page cache before (%) |" in text
+    # No trial numbers in these runs: the ratio of medians only.
+    assert (
+        "| patched (mmap) | cold | 3 | 3.10 | 3.00, 3.20, 3.10 | 10.3 | - | 1.0 (0.0-2.0) | - |"
+        in (text)
+    )
+    assert "| patched (mmap) | warm | 1 | 1.00 | 1.00 | - | - | 100.0 | - |" in text
+    assert "| naive (mmap) | cold | 3 | 32.00 | 30.00, 34.00, 32.00 | - | - | - | - |" in text
     assert "- naive/cold (median of 2; " in text
     assert "interpreter + vLLM imports 12.00, weights load 3.00" in text
 
@@ -89,9 +93,73 @@ def test_vllm_split_reads_the_boots_own_log(tmp_path: Path) -> None:
     assert "error" in bench_local.vllm_split(tmp_path / "gone.log", launched.timestamp(), 150.0)
 
 
-def test_residency_before_measures_the_checkpoint(tmp_path: Path) -> None:
-    (tmp_path / "ckpt").mkdir()
-    (tmp_path / "ckpt" / "pages-1.img").write_bytes(b"x" * 8192)
-    doc = bench_local.residency_before(tmp_path / "ckpt")
-    assert doc is not None and doc["files"] == 1
-    assert bench_local.residency_before(tmp_path / "gone") is None
+def _trial(variant: str, cache: str, trial: int, ttft: float, data: float, rt: float) -> dict:
+    before = {"data": {"percent": data}, "runtime": {"percent": rt}}
+    return {**_run(variant, cache, ttft), "trial": trial, "cache_before": before}
+
+
+def test_ratios_are_per_trial_and_every_arm_has_its_residency() -> None:
+    """naive's run over the arm's run of the SAME trial and cache, in trial order, beside
+    the ratio of the medians; residency of data and runtime for naive too."""
+    runs = [
+        _trial("naive", "warm", 0, 30.0, 100.0, 99.0),
+        _trial("naive", "warm", 1, 20.0, 98.0, 97.0),
+        _trial("naive", "warm", 2, 40.0, 100.0, 100.0),
+        _trial("patched", "warm", 2, 2.0, 100.0, 100.0),
+        _trial("patched", "warm", 0, 1.0, 99.0, 100.0),
+        _trial("patched", "warm", 1, 4.0, 100.0, 98.0),
+        _trial("plain-criu", "warm", 0, 3.0, 100.0, 100.0),
+        _trial("plain-criu", "warm", 1, 3.0, 100.0, 100.0),
+        _trial("plain-criu", "warm", 2, 6.0, 100.0, 100.0),
+    ]
+    s = bench_local.summarize(runs)
+    patched = s["patched/warm"]
+    assert patched["speedup_per_trial"] == [30.0, 5.0, 20.0]
+    assert patched["speedup_vs_naive"] == 30.0 / 2.0
+    assert patched["speedup_vs_plain_criu"] == 3.0 / 2.0
+    assert s["plain-criu/warm"]["speedup_per_trial"] == [10.0, 6.67, 6.67]
+    assert "speedup_vs_plain_criu" not in s["plain-criu/warm"]
+    naive = s["naive/warm"]
+    assert naive["residency_before_percent"] == {"median": 100.0, "min": 98.0, "max": 100.0}
+    assert naive["runtime_residency_percent"] == {"median": 99.0, "min": 97.0, "max": 100.0}
+    row = next(ln for ln in bench_local.table(s).splitlines() if ln.startswith("| patched"))
+    assert "| 15.0 (30.0/5.0/20.0) | 1.50 | 100.0 (99.0-100.0) | 100.0 (98.0-100.0) |" in row
+
+
+def test_each_arm_warms_what_it_reads(tmp_path: Path) -> None:
+    from rekindle_dev.plain_criu import PlainImage
+
+    model, ckpt = tmp_path / "model", tmp_path / "ckpt"
+    plain = PlainImage(tmp_path / "images", tmp_path / "shm", 1, "tiny")
+    assert bench_local.data_paths("naive", model, ckpt, plain) == [model]
+    assert bench_local.data_paths("patched", model, ckpt, plain) == [ckpt]
+    assert bench_local.data_paths("stock", model, ckpt, None) == [ckpt]
+    assert bench_local.data_paths("plain-criu", model, ckpt, plain) == [
+        tmp_path / "images",
+        tmp_path / "shm",
+    ]
+    runtime = bench_local.runtime_paths()
+    import rekindle_agent
+    import vllm
+
+    for module in (rekindle_agent, vllm):  # the agent's code and what vLLM imports
+        path = Path(str(module.__file__)).resolve()
+        assert any(path.is_relative_to(p) for p in runtime), (path, runtime)
+    for p in runtime:  # none inside another (nothing read twice)
+        assert not any(p != q and p.is_relative_to(q) for q in runtime)
+
+
+def test_residency_of_sums_its_paths(tmp_path: Path) -> None:
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "f").write_bytes(b"x" * 8192)
+    doc = bench_local.residency_of([tmp_path / "a", tmp_path / "b"])
+    assert doc["bytes"] == 2 * 8192
+    assert 0 <= doc["resident_bytes"] <= doc["bytes"]
+
+
+def test_arms_order_rotates_per_trial() -> None:
+    order = ["naive", "plain-criu", "patched"]
+    assert bench_local.rotated(order, 0) == order
+    assert bench_local.rotated(order, 1) == ["plain-criu", "patched", "naive"]
+    assert bench_local.rotated(order, 3) == order

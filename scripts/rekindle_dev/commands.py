@@ -12,6 +12,7 @@
   rekindle-dev bench kv ...             TTFT per turn of a growing chat, prefix caching on/off
   rekindle-dev bench warm ...           warming a cold checkpoint: vmtouch -t vs the prefetcher
   rekindle-dev bench kdat ...           CRIU's restore setup with and without its kdat cache
+  rekindle-dev bench density ...        memory of N vLLM replicas restored from one checkpoint
   rekindle-dev bench report [--collect] docs/benchmarks.md from every benchmark's results
 
 Each benchmark module exposes add_arguments() and run(); only this module
@@ -25,6 +26,7 @@ import sys
 from pathlib import Path
 
 from rekindle_dev import (
+    bench_density,
     bench_kdat,
     bench_kv,
     bench_ladder,
@@ -135,6 +137,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     kdat = bsub.add_parser("kdat", help="CRIU restore setup with and without its kdat cache")
     bench_kdat.add_arguments(kdat)
     kdat.set_defaults(func=bench_kdat.run)
+    dens = bsub.add_parser(
+        "density", help="memory of N vLLM replicas from one checkpoint: PSS, memcg, node"
+    )
+    bench_density.add_arguments(dens)
+    dens.set_defaults(func=bench_density.run)
     rep = bsub.add_parser("report", help="every benchmark in docs/benchmarks.md (runs quick ones)")
     bench_report.add_arguments(rep)
     rep.set_defaults(func=bench_report.run)

@@ -1,30 +1,40 @@
 """Cold-start benchmark of an InferenceService: scale 0 -> 1, naive boot vs restore.
 
-Each trial scales to zero, waits until no pod is left, scales to one and
-measures from the scale request to (a) the pod Ready and (b) the first
-generated token: a one-token greedy completion sent to the Service through
-the apiserver's service proxy, so it runs wherever kubectl does. It also
-reports (c) the pod's own figure, agent start to Ready on the agent's clock,
-which the operator copies from the agent's status onto the pod. Everything
-goes through the Kubernetes API; no pod IP is contacted.
+Each trial scales to zero, waits until no pod is left and the operator has
+pointed the restore ConfigMap at the checkpoint (restore) or away from it
+(naive), scales to one and measures from the scale request to (a) the pod
+Ready and (b) the first generated token: a one-token greedy completion sent
+to the Service through the apiserver's service proxy, so it runs wherever
+kubectl does, and only once the pod is Ready (the Service routes to Ready pods
+only; a request to the pod itself before that would time what no user sees).
+It also reports (c) the pod's own figure, agent start to Ready on the agent's
+clock, which the operator copies from the agent's status onto the pod.
+Everything goes through the Kubernetes API; no pod IP is contacted.
 
 The naive arm sets coldStart.restorePolicy=Never (not part of the checkpoint
 fingerprint, so the checkpoint stays usable); the restore arm IfAvailable.
+environment() records what the results depend on that the plugin can see: the
+node (kernel, kubelet, CPUs, memory), the images the pods ran (the agent is in
+the runtime image), the operator's image and version, this plugin's version,
+and the load of the machine kubectl ran on. The plugin ships without git: the
+commit is added by `rekindle-dev bench report --stamp-cluster` (scripts/demo).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rekindle_operator import builders as b
 from rekindle_operator.constants import ANN_AGENT_READY, ANN_BOOT_PATH, ANN_BOOT_REASON
-from rekindle_operator.kube import Kube
+from rekindle_operator.kube import Kube, KubeError
 from rekindle_operator.pods import service_completion
 from rekindle_operator.selection import pod_ready
 
@@ -40,6 +50,9 @@ class Trial:
     origin: str
     reason: str
     agent_ready_s: float | None = None  # agent start -> Ready, the agent's own clock
+    pod: str = ""
+    node: str = ""
+    images: dict[str, str] = field(default_factory=dict)  # container -> image (digest)
 
 
 # (Trial field, table column, plot title)
@@ -141,15 +154,27 @@ def wait_gone(kube: Kube, ns: str, name: str, timeout: float = 180) -> None:
         time.sleep(0.5)
 
 
+def wait_pointer(kube: Kube, ns: str, name: str, restore: bool, timeout: float = 60) -> None:
+    """Until the operator has pointed the restore ConfigMap at the checkpoint (restore)
+    or away from it (naive): a pod started before would take the other arm's path."""
+    deadline = time.monotonic() + timeout
+    while True:
+        cm = kube.get("ConfigMap", ns, b.configmap_name(name)) or {}
+        if bool((cm.get("data") or {}).get("checkpoint")) == restore:
+            return
+        if time.monotonic() > deadline:
+            want = "at the checkpoint" if restore else "away from the checkpoint"
+            raise TimeoutError(f"the operator did not point {name}'s ConfigMap {want} in time")
+        time.sleep(0.2)
+
+
 def one_trial(
     kube: Kube, ns: str, name: str, model: str, arm: str, i: int, timeout: float = 600
 ) -> Trial:
     policy = "Never" if arm == "naive" else "IfAvailable"
     scale(kube, ns, name, 0, policy)
     wait_gone(kube, ns, name)
-    # The operator must have pointed the ConfigMap at (or away from) the checkpoint
-    # before the new pod starts; it does so on the spec change above.
-    time.sleep(2)
+    wait_pointer(kube, ns, name, restore=arm != "naive")
     t0 = time.monotonic()
     scale(kube, ns, name, 1)
     ready_s = first_s = None
@@ -167,8 +192,11 @@ def one_trial(
             first_s = time.monotonic() - t0
         time.sleep(0.2)
     assert pod is not None
-    origin, reason, agent_s = pod_report(kube, ns, pod["metadata"]["name"])
-    return Trial(arm, i, ready_s, first_s, origin, reason, agent_s)
+    pod_name = pod["metadata"]["name"]
+    origin, reason, agent_s = pod_report(kube, ns, pod_name)
+    node = (pod.get("spec") or {}).get("nodeName") or ""
+    images = pod_images(kube.get("Pod", ns, pod_name) or pod)
+    return Trial(arm, i, ready_s, first_s, origin, reason, agent_s, pod_name, node, images)
 
 
 def pod_report(kube: Kube, ns: str, pod: str, wait_s: float = 15) -> tuple[str, str, float | None]:
@@ -229,6 +257,102 @@ def run(
     finally:
         scale(kube, ns, name, replicas, policy)
     return out
+
+
+# What the figures time, written into every results file.
+TIMING = (
+    "Per trial: scale the InferenceService to 0, wait until its pods are gone and the "
+    "operator has pointed the restore ConfigMap at the checkpoint (restore) or away from it "
+    "(naive); then from the request that scales it to 1 to (ready_s) the pod's Ready "
+    "condition and (first_token_s) the first token of a one-token greedy completion answered "
+    "through the Service (the apiserver's service proxy), asked only once the pod is Ready; "
+    "agent_ready_s: agent start to Ready on the agent's own clock. Arms interleaved."
+)
+
+
+def _node_facts(kube: Kube, node: str) -> dict[str, Any]:
+    """Kernel, OS, kubelet, runtime, CPUs and memory of a node, as its status reports them."""
+    try:
+        obj = kube.request("GET", f"/api/v1/nodes/{node}")
+    except (KubeError, OSError, ValueError) as e:
+        return {"name": node, "error": f"could not read the node: {e}"}
+    info = (obj.get("status") or {}).get("nodeInfo") or {}
+    cap = (obj.get("status") or {}).get("capacity") or {}
+    return {
+        "name": node,
+        "kernel": info.get("kernelVersion"),
+        "os": info.get("osImage"),
+        "kubelet": info.get("kubeletVersion"),
+        "container_runtime": info.get("containerRuntimeVersion"),
+        "cpus": cap.get("cpu"),
+        "memory": cap.get("memory"),
+    }
+
+
+def _operator(kube: Kube) -> dict[str, Any]:
+    """The operator Deployment(s) the chart installed: image and version label."""
+    query = {
+        "labelSelector": "app.kubernetes.io/part-of=rekindle,app.kubernetes.io/component=operator"
+    }
+    try:
+        items = kube.request("GET", "/apis/apps/v1/deployments", query=query).get("items", [])
+    except (KubeError, OSError, ValueError, AttributeError) as e:
+        return {"error": f"could not list the operator's Deployment: {e}"}
+    out = []
+    for d in items:
+        meta = d.get("metadata") or {}
+        containers = d["spec"]["template"]["spec"].get("containers") or []
+        out.append(
+            {
+                "deployment": f"{meta.get('namespace')}/{meta.get('name')}",
+                "version": (meta.get("labels") or {}).get("app.kubernetes.io/version"),
+                "images": [c.get("image") for c in containers],
+            }
+        )
+    return {"deployments": out} if out else {"error": "no operator Deployment found by label"}
+
+
+def pod_images(pod: dict[str, Any]) -> dict[str, str]:
+    """Each container's image and the digest it ran (imageID): the agent's version is the
+    runtime image's."""
+    return {
+        st.get("name", "?"): f"{st.get('image')} ({st.get('imageID') or 'no digest'})"
+        for st in (pod.get("status") or {}).get("containerStatuses") or []
+    }
+
+
+def client_load() -> tuple[float, float, float]:
+    """The load average of the machine kubectl runs on (zeros where the OS has none)."""
+    return os.getloadavg() if hasattr(os, "getloadavg") else (0.0, 0.0, 0.0)
+
+
+def environment(
+    kube: Kube,
+    trials: Sequence[Trial],
+    load_avg_at_start: tuple[float, float, float],
+    started: float,
+) -> dict[str, Any]:
+    """What these results depend on that the plugin can see (see the module's docstring)."""
+    from rekindle_contract import __version__
+
+    nodes = sorted({t.node for t in trials if t.node})
+    return {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "timing": TIMING,
+        "node": _node_facts(kube, nodes[0]) if len(nodes) == 1 else {"names": nodes},
+        "versions": {
+            "kubectl_rekindle": __version__,
+            "operator": _operator(kube),
+            "images": {arm: next((t.images for t in trials if t.arm == arm), {}) for arm in ARMS},
+        },
+        "client": {
+            "node": platform.node(),
+            "cpus": os.cpu_count(),
+            "load_avg_at_start": [round(x, 2) for x in load_avg_at_start],
+            "load_avg_at_end": [round(x, 2) for x in client_load()],
+        },
+    }
 
 
 def write_json(path: Path, trials: Sequence[Trial], meta: dict[str, Any]) -> None:

@@ -286,6 +286,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from rekindle_operator import cluster_bench as bench
 
     kube, ns = _kube(args), _namespace(args)
+    started, load_start = time.time(), bench.client_load()
     trials = bench.run(kube, ns, args.name, args.trials, progress=lambda m: print(m, flush=True))
     summary = bench.summarize_trials(trials)
     print(bench.table(summary))
@@ -293,7 +294,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "command": "kubectl rekindle " + " ".join(sys.argv[1:]),
         "inferenceService": args.name,
         "namespace": ns,
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        **bench.environment(kube, trials, load_start, started),
     }
     if args.json:
         bench.write_json(args.json, trials, meta)

@@ -59,11 +59,17 @@ def git_commit(paths: Sequence[str] = (), repo: Path = REPO) -> tuple[str, bool]
     try:
         head = subprocess.run(
             ["git", "-C", str(repo), "rev-parse", "HEAD"],
-            capture_output=True, text=True, check=True, timeout=30,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
         ).stdout.strip()
         dirty = subprocess.run(
             ["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no", "--", *paths],
-            capture_output=True, text=True, check=True, timeout=30,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
         ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "", False

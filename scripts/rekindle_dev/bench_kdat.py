@@ -35,7 +35,8 @@ from rekindle_agent import kdat_cache
 from rekindle_agent.early import KDAT_CACHE_ENV
 from rekindle_agent.immutable import remove_tree
 
-from rekindle_dev.bench_common import host_facts
+from rekindle_dev.bench_common import provenance
+from rekindle_dev.bench_provenance import MEASURED_BY, provenance_line
 
 MODES = ("off", "on")
 
@@ -175,7 +176,7 @@ def table(doc: dict[str, Any]) -> str:
     lines = [
         f"Command: `{doc['command']}`",
         "",
-        f"Load average at end: {doc['host']['load_avg_at_end']}",
+        provenance_line(doc),
         "",
     ]
     for part in ("small", "agent"):
@@ -225,6 +226,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"no CRIU at {binary}: pass scripts/build-criu's output", file=sys.stderr)
         return 2
     work = Path(tempfile.mkdtemp(prefix="bench-kdat-", dir=args.work))
+    started, load_start = time.time(), os.getloadavg()
     runs = {"small": small_trials(binary, args.trials, work / "small")}
     runs["agent"] = (
         agent_trials(prefix, args.agent_trials, work / "agent") if args.agent_trials else []
@@ -232,9 +234,7 @@ def run(args: argparse.Namespace) -> int:
     cmd = f"rekindle-dev bench kdat --criu-prefix {args.criu_prefix} "
     cmd += f"--trials {args.trials} --agent-trials {args.agent_trials} --out {args.out}"
     doc = {
-        "command": cmd,
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "host": host_facts(load_avg_at_end=os.getloadavg()),
+        **provenance(cmd, MEASURED_BY["kdat"], load_start, started, args.work),
         "trials": {"small": args.trials, "agent": args.agent_trials},
         "summary": {
             "small": medians(runs["small"], SMALL_KEYS),

@@ -35,7 +35,8 @@ from rekindle_agent.vllm_control import wait_health
 from rekindle_agent.vllm_launch import vllm_env
 from rekindle_contract.vllm_argv import VllmOptions, vllm_argv
 
-from rekindle_dev.bench_common import host_facts, md_table, pyplot, save_figure, spread
+from rekindle_dev.bench_common import md_table, provenance, pyplot, save_figure, spread
+from rekindle_dev.bench_provenance import MEASURED_BY, provenance_line
 from rekindle_dev.ports import free_port
 from rekindle_dev.vllm_runner import _kill_group
 
@@ -275,7 +276,9 @@ def render(out: Path, doc: dict[str, Any]) -> str:
     (out / "results.md").write_text(
         f"`{doc['command']}`\n\non {host['node']} ({host['cpus']} CPUs, load average "
         f"{host['load_avg_at_start'][0]:.1f} at start, {host['load_avg_at_end'][0]:.1f} at end; "
-        f"model {doc['model_name']}, vLLM CPU)\n\n" + text
+        f"model {doc['model_name']}, vLLM CPU). {provenance_line(doc)}\n\n"
+        "Prefix caching is vLLM's own feature: \"no reuse\" is vLLM's own off switch "
+        "(`--no-enable-prefix-caching`), the same model and server otherwise.\n\n" + text
     )
     plot(
         doc["summary"],
@@ -302,7 +305,7 @@ def run(args: argparse.Namespace) -> int:
         model = build_cached(default_cache_root(), print_progress)
     # Passages are sized by words and run to about 1.6 tokens per "token" asked for.
     max_len = args.turns * (2 * args.chunk_tokens + 64) + 512
-    load_start = os.getloadavg()
+    started, load_start = time.time(), os.getloadavg()
     runs: list[dict[str, Any]] = []
     log(f"model {model}; {args.trials} trials of {args.turns} turns; max-model-len {max_len}")
     with (
@@ -334,8 +337,7 @@ def run(args: argparse.Namespace) -> int:
     summary = summarize(runs)
     out.mkdir(parents=True, exist_ok=True)
     doc = {
-        "command": command_line(args),
-        "host": host_facts(load_avg_at_start=load_start, load_avg_at_end=os.getloadavg()),
+        **provenance(command_line(args), MEASURED_BY["kv"], load_start, started, str(work)),
         "model": str(model),
         "model_name": model.name.split("-")[0],
         "trials": args.trials,

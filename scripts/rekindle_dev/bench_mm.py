@@ -47,7 +47,8 @@ from rekindle_agent.vllm_control import wait_health
 from rekindle_agent.vllm_launch import vllm_env
 from rekindle_contract.vllm_argv import VllmOptions, vllm_argv
 
-from rekindle_dev.bench_common import fmt, host_facts, md_table, pyplot, save_figure, spread
+from rekindle_dev.bench_common import fmt, md_table, provenance, pyplot, save_figure, spread
+from rekindle_dev.bench_provenance import MEASURED_BY, provenance_line
 from rekindle_dev.ports import free_port
 
 # vLLM's flags per configuration (the cache size is --cache-gb for shm and lru).
@@ -439,9 +440,13 @@ def render(out: Path, doc: dict[str, Any]) -> str:
         f"prefix caching {'on' if w['prefix_caching'] else 'off'}; a fresh server per run, "
         f"configurations interleaved. Medians over trials (TTFT range in brackets). "
         f"Hits/queries are vLLM's own counters (vllm:mm_cache_*) over the workload.\n"
+        "\nThe cache is vLLM's own feature: \"off\" is vLLM's own off switch "
+        '(`--mm-processor-cache-gb 0`) and "lru" vLLM\'s default cache; the operator turns '
+        "on shm and sizes /dev/shm for it.\n"
         f"\nMachine: {doc['host']['cpus']} CPUs, load average at the end "
         f"{', '.join(f'{x:.2f}' for x in doc['host']['load_avg_at_end'])}"
-        " (shared with other work: compare within this run only).\n"
+        " (shared with other work: compare within this run only). "
+        f"{provenance_line(doc)}\n"
         f"\nCommand: `{doc['command']}`\n"
     )
     (out / "results.md").write_text(text)
@@ -498,6 +503,7 @@ def run(args: argparse.Namespace) -> int:
     warmup, images = images[-1], images[:-1]
     log(f"model {model}; {len(images)} images x {args.repeats}, {args.concurrency} clients")
     runs: list[dict[str, Any]] = []
+    started, load_start = time.time(), os.getloadavg()
     for trial in range(args.trials):
         for config in configs:
             r = one_run(config, model, images, warmup, args)
@@ -513,8 +519,7 @@ def run(args: argparse.Namespace) -> int:
             )
     out.mkdir(parents=True, exist_ok=True)
     doc = {
-        "command": command_line(args),
-        "host": host_facts(load_avg_at_end=os.getloadavg()),
+        **provenance(command_line(args), MEASURED_BY["mm"], load_start, started, str(work)),
         "workload": {
             "images": args.images,
             "image_size": args.image_size,

@@ -3,14 +3,20 @@
 Full mode runs the quick parts first (a naive boot of the tiny model whose vLLM
 log is split into phases, and whatever --run names: warm, criu, weights,
 local), then collects; --collect only collects what docs/bench/ holds. Every
-section names the command behind its figures, the machine and the load it ran
-under; ratios are only taken between numbers of one run. Sections whose
-results are missing say which command makes them.
+figure names the results file it came from, with the commit that file was made
+from; a file whose commit is missing, or whose measured code changed since
+(bench_provenance), is marked STALE where it is cited and in the list of
+results files at the end (--strict refuses to write the report instead).
+Headline ratios come with their per-trial values; "cold" says what it means on
+the machine that measured it; a vLLM feature measured against its own off
+switch says so in the same sentence. Sections whose results are missing say
+which command makes them.
 """
 
 from __future__ import annotations
 
 import argparse
+import calendar
 import json
 import os
 import re
@@ -19,25 +25,47 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from rekindle_dev.bench_common import NAIVE_PHASES, parse_vllm_log, residency_cell
+from rekindle_dev import bench_provenance as prov
+from rekindle_dev.bench_common import NAIVE_PHASES, parse_vllm_log, provenance, residency_cell
 from rekindle_dev.machine import machine
 
-# Where each benchmark writes, and the command that writes it (for a missing one).
+# Where each benchmark writes (under docs/bench), and the command that writes it.
 SOURCES: dict[str, tuple[str, str]] = {
     "local": ("local/results.json", "rekindle-dev bench local --criu-prefix DIR --trials 3"),
     "criu": ("criu/bench.json", "scripts/bench-criu --sizes 0.5,1,2,4 --trials 5"),
-    "weights": ("weights/results.json", "rekindle-dev bench weights --sizes 1,4 --trials 3"),
+    "density": ("density/results.json", "rekindle-dev bench density"),
+    "weights": (
+        "weights/results.json",
+        "rekindle-dev bench weights --sizes 1 --trials 3 --no-vllm --map",
+    ),
+    "weights-direct": (
+        "weights/direct/results.json",
+        "rekindle-dev bench weights --sizes 4 --trials 3 --direct --no-vllm "
+        "--out docs/bench/weights/direct",
+    ),
     "ladder": ("ladder/results.json", "rekindle-dev bench ladder --criu-prefix DIR"),
     "mm": ("mm/results.json", "rekindle-dev bench mm"),
-    "kv": ("kv/results.json", "rekindle-dev bench kv"),
-    "warm": ("warm/results.json", "rekindle-dev bench warm --size-gb 2 --trials 5"),
-    "cluster": ("cluster/bench.json", "kubectl rekindle -n rk-bench bench tiny --trials 3"),
+    "kv": ("kv/results.json", "rekindle-dev bench kv --trials 3 --turns 6 --chunk-tokens 200"),
+    "warm": ("warm/results.json", "rekindle-dev bench warm --dir CHECKPOINT --trials 7"),
+    "warm-synthetic": (
+        "warm/synthetic/results.json",
+        "rekindle-dev bench warm --size-gb 2 --trials 5 --out docs/bench/warm/synthetic",
+    ),
+    "kdat": ("kdat/results.json", "rekindle-dev bench kdat --criu-prefix DIR --trials 10"),
+    "tp2": (
+        "local-tp2/results.json",
+        "rekindle-dev bench local --criu-prefix DIR --tp 2 --out docs/bench/local-tp2",
+    ),
+    "cluster": ("cluster/demo/bench.json", "DEMO_BENCH_OUT=docs/bench/cluster/demo make demo"),
+    "cluster-up": ("cluster-up.json", "scripts/bench-cluster-up 5"),
     "naive": ("report/naive_boot.json", "rekindle-dev bench report --run naive"),
 }
+# Older places of the same results, read where the current one is absent.
+FALLBACK: dict[str, tuple[str, ...]] = {"density": ("criu/bench-density.json",)}
 QUICK = ("naive", "warm")
 
 
@@ -98,15 +126,16 @@ def run_naive(args: argparse.Namespace, out: Path) -> None:
 
         model = generate_tiny_model(work / "tiny")
     factory = AgentFactory(work, model, Path("criu"))
+    started, load_start = time.time(), os.getloadavg()
     trials = [one_naive_boot(factory, i) for i in range(args.trials)]
     doc = median_boot(trials)
+    command = f"rekindle-dev bench report --run naive --trials {args.trials} --work {args.work}" + (
+        f" --model {args.model}" if args.model else ""
+    )
     doc.update(
-        command=f"rekindle-dev bench report --run naive --trials {args.trials} --work {args.work}"
-        + (f" --model {args.model}" if args.model else ""),
+        provenance(command, prov.MEASURED_BY["naive"], load_start, started, str(work)),
         model=str(args.model or "the tiny model (rekindle-dev model tiny)"),
         trials=trials,
-        machine=machine(str(work)),
-        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     )
     (out / "report").mkdir(parents=True, exist_ok=True)
     (out / "report" / "naive_boot.json").write_text(json.dumps(doc, indent=2))
@@ -143,16 +172,102 @@ def run_part(part: str, args: argparse.Namespace, out: Path) -> None:
     subprocess.run(commands[part], check=True)
 
 
-# -- reading what the benchmarks wrote -------------------------------------------------
+# -- reading what the benchmarks wrote, and whether it still holds ----------------------
 
 
-def load(bench: Path, name: str) -> dict[str, Any] | None:
-    path = bench / SOURCES[name][0]
+def git_root(path: Path) -> Path | None:
+    """The git checkout path is in (None outside one: nothing can be proven current)."""
     try:
-        data: dict[str, Any] = json.loads(path.read_text())
-        return data
-    except (OSError, ValueError):
+        res = subprocess.run(
+            ["git", "-C", str(path), "rev-parse", "--show-toplevel"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+    except OSError:
         return None
+    return Path(res.stdout.strip()) if res.returncode == 0 and res.stdout.strip() else None
+
+
+class Results:
+    """The results files under a bench directory, each read once with its provenance.
+
+    repo: the checkout their commits are checked against (default: the one holding
+    bench). Every figure the report prints cites one of these files.
+    """
+
+    def __init__(self, bench: Path, repo: Path | None = None) -> None:
+        self.bench = bench
+        self.repo = repo if repo is not None else git_root(bench if bench.exists() else Path())
+        self._docs: dict[str, dict[str, Any] | None] = {}
+        self._status: dict[str, prov.Status] = {}
+
+    def rel(self, name: str) -> str:
+        """Where name's results are (its current place, or an older one that exists)."""
+        for rel in (SOURCES[name][0], *FALLBACK.get(name, ())):
+            if (self.bench / rel).exists():
+                return rel
+        return SOURCES[name][0]
+
+    def read(self, rel: str) -> dict[str, Any] | None:
+        if rel not in self._docs:
+            try:
+                data = json.loads((self.bench / rel).read_text())
+                self._docs[rel] = data if isinstance(data, dict) else None
+            except (OSError, ValueError):
+                self._docs[rel] = None
+        return self._docs[rel]
+
+    def doc(self, name: str) -> dict[str, Any] | None:
+        return self.read(self.rel(name))
+
+    def shown(self, rel: str) -> str:
+        """The file's path as a reader of the repository finds it."""
+        path = (self.bench / rel).resolve()
+        if self.repo is not None and path.is_relative_to(self.repo.resolve()):
+            return str(path.relative_to(self.repo.resolve()))
+        return f"{self.bench.name}/{rel}"
+
+    def status_of(self, rel: str) -> prov.Status:
+        if rel not in self._status:
+            doc = self.read(rel) or {}
+            default = prov.MEASURED_BY.get(prov.bench_of(rel), ())
+            if self.repo is None:
+                self._status[rel] = prov.Status(
+                    path=self.shown(rel),
+                    commit=str(doc.get("commit") or ""),
+                    date=str(doc.get("date") or ""),
+                    stale=("not in a git checkout: its commit cannot be checked",),
+                )
+            else:
+                self._status[rel] = prov.check(doc, self.shown(rel), self.repo, default)
+        return self._status[rel]
+
+    def status(self, name: str) -> prov.Status:
+        return self.status_of(self.rel(name))
+
+    def all_files(self) -> list[str]:
+        """Every results JSON under the bench directory."""
+        if not self.bench.is_dir():
+            return []
+        return sorted(str(p.relative_to(self.bench)) for p in self.bench.rglob("*.json"))
+
+
+def source_note(res: Results, name: str, rel: str | None = None) -> str:
+    """ "Source: FILE (commit, date)", and why it is marked where it is not current."""
+    rel = rel or res.rel(name)
+    st = res.status_of(rel)
+    text = f"Source: {st.cite()}."
+    if not st.current:
+        text += f" {st.label}: {st.why()}; regenerate with `{SOURCES[name][1]}`."
+    return text
+
+
+def cite(res: Results, name: str) -> str:
+    """A short citation for a figure: the file, and its mark unless it is current."""
+    st = res.status(name)
+    return f"`{st.path}`" + ("" if st.current else f", **{st.label}**")
 
 
 def missing(name: str) -> str:
@@ -167,10 +282,17 @@ def load_note(doc: dict[str, Any]) -> str:
     parts = [str(host.get(k)) for k in ("node", "cpu", "kernel") if host.get(k)]
     if host.get("cpus"):
         parts.append(f"{host['cpus']} CPUs")
-    la = host.get("load_avg") or host.get("load_avg_at_end") or doc.get("load_after")
-    if la:
-        parts.append("load average " + ", ".join(f"{float(x):.1f}" for x in la))
+    start, end = host.get("load_avg_at_start"), host.get("load_avg_at_end")
+    la = host.get("load_avg") or end or doc.get("load_after")
+    if start and end:
+        parts.append(f"load average {_loads(start)} at the start, {_loads(end)} at the end")
+    elif la:
+        parts.append(f"load average {_loads(la)}")
     return ", ".join(parts) or "machine not recorded"
+
+
+def _loads(la: Sequence[float]) -> str:
+    return ", ".join(f"{float(x):.1f}" for x in la)
 
 
 def demote(md: str) -> str:
@@ -193,6 +315,64 @@ def embed(bench: Path, sub: str, md_names: tuple[str, ...] = ("results.md",)) ->
     return "\n\n".join(out) + "\n" if out else ""
 
 
+# -- per-trial values, and what "cold" means -------------------------------------------
+
+
+def per_trial(runs: Iterable[dict[str, Any]], key: str, **match: Any) -> dict[int, float]:
+    """{trial: run[key]} for the runs whose fields equal match (the last run per trial)."""
+    out: dict[int, float] = {}
+    for r in runs:
+        if all(r.get(k) == v for k, v in match.items()) and r.get(key) is not None:
+            out[int(r.get("trial", len(out)))] = float(r[key])
+    return out
+
+
+def trial_ratios(num: dict[int, float], den: dict[int, float]) -> list[float]:
+    """num/den for every trial both have, in trial order."""
+    return [num[t] / den[t] for t in sorted(num) if den.get(t)]
+
+
+def joined(values: Iterable[float], spec: str = "{:.2f}", unit: str = "") -> str:
+    return "/".join(spec.format(v) for v in values) + unit
+
+
+def disk_gbps(doc: dict[str, Any]) -> float | None:
+    """The cold read of the checkpoint in the same run (bench local's disk floor), GB/s."""
+    floor = (doc.get("disk_floor_seconds") or {}).get("median")
+    size = doc.get("checkpoint_bytes")
+    return size / floor / 1e9 if floor and size else None
+
+
+def cold_meaning(
+    doc: dict[str, Any] | None, gbps: float | None = None, what: str = "the checkpoint"
+) -> str:
+    """What "cold" means for the run that wrote doc, on the machine it ran on.
+
+    The benches drop the guest's page cache; on a virtual machine the host may
+    still hold the virtual disk's blocks, so "cold" is not "read from storage".
+    gbps: the run's own cold read of what (default: bench local's disk floor)."""
+    doc = doc or {}
+    gbps = gbps if gbps is not None else disk_gbps(doc)
+    disk = (doc.get("host") or doc.get("machine") or {}).get("disk")
+    text = (
+        "Cold means the guest's page cache was dropped before the run (`echo 3 > "
+        "/proc/sys/vm/drop_caches`), not that every byte came from storage: the host "
+        "may still cache this machine's virtual disk."
+    )
+    if gbps is not None:
+        text += f" The same run read {what} cold at {gbps:.2f} GB/s"
+        text += f" from {disk}" if disk else " (its disk was not recorded"
+        now = machine()["disk"]
+        text += "." if disk else f"; this machine's now: {now})."
+        if "non-rotational" not in str(disk or now) and gbps > 0.5:
+            text += (
+                " A disk the kernel calls rotational does not deliver that: the host's cache did."
+            )
+    elif disk:
+        text += f" Disk under the files: {disk}."
+    return text
+
+
 # -- sections ---------------------------------------------------------------------------
 
 
@@ -207,13 +387,13 @@ def local_naive_rows(local: dict[str, Any] | None) -> list[dict[str, Any]]:
     ]
 
 
-def section_naive(bench: Path) -> str:
+def section_naive(res: Results) -> str:
     """The naive split from bench local's run when it recorded one, else the separate run."""
-    local = load(bench, "local")
+    local = res.doc("local")
     rows = local_naive_rows(local)
     if local and rows:
-        return section_naive_same_run(local, rows)
-    doc = load(bench, "naive")
+        return source_note(res, "local") + "\n\n" + section_naive_same_run(local, rows)
+    doc = res.doc("naive")
     note = (
         f"bench local's results (`{local['command']}`) predate the per-boot split: not "
         "recorded there. "
@@ -223,6 +403,7 @@ def section_naive(bench: Path) -> str:
     if doc is None:
         return note + missing("naive")
     return (
+        f"{source_note(res, 'naive')}\n\n"
         f"{note}This split comes from a separate run of naive boots (`{doc['command']}`), "
         "not from the run of the restore paths below, whose own naive rows the ratios use: "
         "its load and its seconds differ from theirs.\n\n" + section_naive_separate(doc)
@@ -337,23 +518,25 @@ def section_naive_separate(doc: dict[str, Any]) -> str:
     )
 
 
-def section_local(bench: Path) -> str:
-    doc = load(bench, "local")
+def section_local(res: Results) -> str:
+    doc = res.doc("local")
     if doc is None:
         return missing("local")
     s = doc["summary"]
+    runs = doc.get("runs") or []
     rows = [
-        "| path | cache | first token, median s | x naive (same run) | page cache before "
-        "restore, % | phases, median s |",
-        "|---|---|---:|---:|---:|---|",
+        "| path | cache | first token, median s | per trial, s | x naive (same run) | page "
+        "cache before restore, % | phases, median s |",
+        "|---|---|---:|---|---:|---:|---|",
     ]
     for r in s.values():
         ph = ", ".join(f"{k} {v:.2f}" for k, v in r.get("phases_median", {}).items() if v >= 0.005)
         speed = r.get("speedup_vs_naive")
+        trials = per_trial(runs, "ttft", variant=r["variant"], cache=r["cache"])
         rows.append(
             f"| {r['variant']}{' (mmap)' if r.get('mmap') else ''} | {r['cache']} | "
-            f"{r['ttft_median']:.2f} | {f'{speed:.1f}x' if speed else '-'} | "
-            f"{residency_cell(r)} | {ph} |"
+            f"{r['ttft_median']:.2f} | {joined(trials.values()) if trials else '-'} | "
+            f"{f'{speed:.1f}x' if speed else '-'} | {residency_cell(r)} | {ph} |"
         )
     inside = [
         f"- {r['variant']} {r['cache']}: "
@@ -366,6 +549,8 @@ def section_local(bench: Path) -> str:
     size = doc.get("checkpoint_bytes")
     return "\n".join(
         [
+            source_note(res, "local"),
+            "",
             "Every path runs the real agent as PID 1 of a fresh PID and mount namespace (as a "
             "new pod); first token = agent launch to the answer of a one-token completion. "
             "Warm: checkpoint in the page cache; cold: after `echo 3 > /proc/sys/vm/drop_caches`."
@@ -374,6 +559,9 @@ def section_local(bench: Path) -> str:
             "cached just before each restore's launch, median (min-max) over the trials; "
             '"not recorded" for results made before the bench recorded it. '
             + residency_sentence(s.values()),
+            "",
+            cold_meaning(doc),
+            "",
             f"Machine: {load_note(doc)}.",
             "",
             *rows,
@@ -405,12 +593,12 @@ def residency_sentence(rows: Iterable[dict[str, Any]]) -> str:
     return "Residency before restore, over the restore paths' medians: " + ", ".join(parts) + "."
 
 
-def section_ladder(bench: Path) -> str:
+def section_ladder(res: Results) -> str:
     """The ladder's own table, with what its run recorded of residency and the naive split."""
-    doc = load(bench, "ladder")
+    doc = res.doc("ladder")
     notes: list[str] = []
-    for res in (doc or {}).get("results", []):
-        s = res.get("summary", {})
+    for result in (doc or {}).get("results", []):
+        s = result.get("summary", {})
         rows = [{"variant": k.split("/")[0], "cache": k.split("/")[1], **v} for k, v in s.items()]
         split = [r for r in rows if r["variant"] == "naive" and r.get("vllm_split_median")]
         how = (
@@ -418,48 +606,76 @@ def section_ladder(bench: Path) -> str:
             if split
             else "Naive split: not recorded in this run."
         )
-        notes.append(f"- {res['size']}: {residency_sentence(rows) or 'No restore.'} {how}")
+        notes.append(f"- {result['size']}: {residency_sentence(rows) or 'No restore.'} {how}")
     head = ["Per size, from the ladder's own results:", *notes, ""] if notes else []
-    return "\n".join([*head, section_embedded(bench, "ladder"), *ladder_runs(bench)])
+    return "\n".join([*head, section_embedded(res, "ladder"), *ladder_runs(res)])
 
 
-def ladder_runs(bench: Path) -> list[str]:
+def ladder_runs(res: Results) -> list[str]:
     """Sizes run on their own (ladder/<size>/, one run each): their tables and plots."""
     out = []
-    root = bench / "ladder"
+    root = res.bench / "ladder"
     subs = sorted(p for p in root.iterdir() if (p / "results.md").exists()) if root.is_dir() else []
     for sub in subs:
-        doc = (
-            json.loads((sub / "results.json").read_text())
-            if (sub / "results.json").exists()
-            else {}
-        )
-        out += [f"#### {sub.name}, a run of its own", "", f"Machine: {load_note(doc)}.", ""]
-        out.append(embed(bench, f"ladder/{sub.name}"))
+        rel = f"ladder/{sub.name}/results.json"
+        doc = res.read(rel) or {}
+        out += [f"#### {sub.name}, a run of its own", ""]
+        if doc:
+            out += [source_note(res, "ladder", rel), ""]
+        out += [f"Machine: {load_note(doc)}.", "", embed(res.bench, f"ladder/{sub.name}")]
     return out
 
 
-def section_cluster(bench: Path) -> str:
-    doc = load(bench, "cluster")
+CLUSTER_TIMING = (
+    "Each trial scales the InferenceService to 0, waits until its pods are gone and the "
+    "operator has pointed new pods at the checkpoint (or away from it, naive), then times "
+    "from the request that scales it to 1 to (a) the pod's Ready condition and (b) the first "
+    "token answered through its Service (a one-token completion through the apiserver's "
+    "service proxy, sent only once the pod is Ready, so never to a pod before the Service "
+    "routes to it); (c) is the agent's own start-to-Ready."
+)
+
+
+def section_cluster(res: Results) -> str:
+    doc = res.doc("cluster")
     if doc is None:
         return missing("cluster")
     s = doc["summary"]
-    rows = ["| arm | n | pod Ready, median s | first token, median s |", "|---|---:|---:|---:|"]
+    trials = doc.get("trials") or []
+    rows = [
+        "| arm | n | pod Ready, median s | first token, median s | first token per trial, s |",
+        "|---|---:|---:|---:|---|",
+    ]
     for arm, r in s.items():
+        each = per_trial(trials, "first_token_s", arm=arm)
         rows.append(
             f"| {arm} | {int(r['ready_s']['n'])} | {r['ready_s']['median']:.1f} | "
-            f"{r['first_token_s']['median']:.1f} |"
+            f"{r['first_token_s']['median']:.1f} | {joined(each.values(), '{:.1f}') or '-'} |"
         )
     ratio = ""
     if "naive" in s and "restore" in s:
         x = s["naive"]["first_token_s"]["median"] / s["restore"]["first_token_s"]["median"]
-        ratio = f"First-token speedup within the run (median naive / median restore): {x:.1f}x."
+        ratios = trial_ratios(
+            per_trial(trials, "first_token_s", arm="naive"),
+            per_trial(trials, "first_token_s", arm="restore"),
+        )
+        ratio = f"First-token speedup within the run (median naive / median restore): {x:.1f}x" + (
+            f" (per trial {joined(ratios, '{:.1f}', 'x')})." if ratios else "."
+        )
+    node = doc.get("node") or {}
+    where = (
+        f"Node {node.get('name')}: {node.get('kernel', '?')}, {node.get('cpus', '?')} CPUs, "
+        f"kubelet {node.get('kubelet', '?')}."
+        if node
+        else "Node: not recorded in this file."
+    )
     return "\n".join(
         [
+            source_note(res, "cluster"),
+            "",
+            doc.get("timing") or CLUSTER_TIMING,
             "Page cache before restore: not recorded by this benchmark (`kubectl rekindle "
-            "status` shows each pod's). "
-            "Scale 0 to 1 on the embedded local cluster, scale request to the pod's Ready and "
-            f"to the first token; {doc.get('date', '')}.",
+            f"status` shows each pod's). {where} Date: {doc.get('date', 'not recorded')}.",
             "",
             *rows,
             "",
@@ -467,19 +683,35 @@ def section_cluster(bench: Path) -> str:
             "",
             f"Command: `{doc['command']}`",
             "",
-            "![cluster](bench/cluster/bench.png)",
+            embed(res.bench, SOURCES["cluster"][0].rsplit("/", 1)[0], ("summary.md",)),
+        ]
+    )
+
+
+def section_cluster_up(res: Results) -> str:
+    doc = res.doc("cluster-up")
+    if doc is None:
+        return missing("cluster-up")
+    return "\n".join(
+        [
+            source_note(res, "cluster-up"),
+            "",
+            f"{doc.get('what', 'scripts/local-cluster up')}: median {doc['median_s']:.2f} s "
+            f"({doc['min_s']:.2f}-{doc['max_s']:.2f}; per trial "
+            f"{joined(doc.get('trials_s') or [])} s). Machine: {load_note(doc)}. "
+            f"Command: `{doc['command']}`.",
             "",
         ]
     )
 
 
-def section_embedded(bench: Path, name: str, md: tuple[str, ...] = ("results.md",)) -> str:
-    doc = load(bench, name)
-    sub = SOURCES[name][0].split("/")[0]
-    body = embed(bench, sub, md)
+def section_embedded(res: Results, name: str, md: tuple[str, ...] = ("results.md",)) -> str:
+    doc = res.doc(name)
+    sub = res.rel(name).rsplit("/", 1)[0]
+    body = embed(res.bench, sub, md) if "/" in res.rel(name) else ""
     if doc is None and not body:
         return missing(name)
-    head = []
+    head = [source_note(res, name), ""] if doc is not None else []
     cmd = None if doc is None else doc.get("command") or (doc.get("meta") or {}).get("command")
     if doc is not None and not (cmd and cmd in body):  # its own table already says both
         head.append(f"Machine: {load_note(doc)}." + (f" Command: `{cmd}`." if cmd else ""))
@@ -529,64 +761,204 @@ TARGET_WARM_X = 30.0
 TARGET_COLD_FLOOR_X = 1.2
 
 
-def headline(bench: Path) -> str:
-    """The ratios that matter, each within its own run, against the targets."""
-    out: list[str] = []
-    local = load(bench, "local")
-    if local:
-        s = local["summary"]
-        for cache in ("warm", "cold"):
-            naive = s.get(f"naive/{cache}")
-            restores = [
-                r for k, r in s.items() if k.endswith(f"/{cache}") and r.get("speedup_vs_naive")
-            ]
-            best = min(restores, key=lambda r: r["ttft_median"], default=None)
-            if naive and best:
-                x = naive["ttft_median"] / best["ttft_median"]
-                line = (
-                    f"- Process level, {cache} page cache (`rekindle-dev bench local`): naive "
-                    f"{naive['ttft_median']:.2f} s, best restore ({best['variant']}) "
-                    f"{best['ttft_median']:.2f} s to the first token: **{x:.1f}x**"
-                )
-                if cache == "warm":
-                    verdict = "meets" if x >= TARGET_WARM_X else "misses"
-                    line += f"; the target is {TARGET_WARM_X:.0f}x: {verdict} it"
-                    if x < TARGET_WARM_X:
-                        need = naive["ttft_median"] / TARGET_WARM_X
-                        line += f" (it needs {need:.2f} s, {best['ttft_median'] - need:.2f} s less)"
-                if "vs_disk_floor" in best:
-                    line += (
-                        f"; {best['vs_disk_floor']:.2f}x the cold disk-read floor "
-                        f"(target {TARGET_COLD_FLOOR_X}x)"
-                    )
-                cell = residency_cell(best)
-                unit = " %" if cell[:1].isdigit() else ""
-                out.append(f"{line}; page cache before that restore: {cell}{unit}.")
-    cluster = load(bench, "cluster")
-    if cluster and {"naive", "restore"} <= set(cluster["summary"]):
-        n = cluster["summary"]["naive"]["first_token_s"]["median"]
-        r = cluster["summary"]["restore"]["first_token_s"]["median"]
-        out.append(
-            f"- Cluster, scale 0 to 1 (`kubectl rekindle bench`): naive {n:.1f} s, restore "
-            f"{r:.1f} s to the first token: **{n / r:.1f}x**."
+def headline_local(res: Results) -> list[str]:
+    """Naive vs the best restore path per cache, with per-trial values, against the targets."""
+    local = res.doc("local")
+    if not local:
+        return []
+    out = []
+    s, runs = local["summary"], local.get("runs") or []
+    for cache in ("warm", "cold"):
+        naive = s.get(f"naive/{cache}")
+        restores = [
+            r for k, r in s.items() if k.endswith(f"/{cache}") and r.get("speedup_vs_naive")
+        ]
+        best = min(restores, key=lambda r: r["ttft_median"], default=None)
+        if not (naive and best):
+            continue
+        x = naive["ttft_median"] / best["ttft_median"]
+        n_t = per_trial(runs, "ttft", variant="naive", cache=cache)
+        b_t = per_trial(runs, "ttft", variant=best["variant"], cache=cache)
+        each = best.get("speedup_per_trial") or trial_ratios(n_t, b_t)
+        line = (
+            f"- Process level, {cache} page cache (`rekindle-dev bench local`): naive "
+            f"{naive['ttft_median']:.2f} s, best restore ({best['variant']}) "
+            f"{best['ttft_median']:.2f} s to the first token: **{x:.1f}x**"
         )
-    warm = load(bench, "warm")
+        if each:
+            line += (
+                f" (per trial {joined(each, '{:.1f}', 'x')}: naive {joined(n_t.values())} s, "
+                f"restore {joined(b_t.values())} s)"
+            )
+        if cache == "warm":
+            verdict = "meets" if x >= TARGET_WARM_X else "misses"
+            line += f"; the target is {TARGET_WARM_X:.0f}x: {verdict} it"
+            if x < TARGET_WARM_X:
+                need = naive["ttft_median"] / TARGET_WARM_X
+                line += f" (it needs {need:.2f} s, {best['ttft_median'] - need:.2f} s less)"
+        if "speedup_vs_plain_criu" in best:
+            line += (
+                f"; against plain CRIU of the whole server (stock CRIU, no agent) "
+                f"{best['speedup_vs_plain_criu']:.2f}x"
+            )
+        if "vs_disk_floor" in best:
+            line += (
+                f"; {best['vs_disk_floor']:.2f}x the cold disk-read floor "
+                f"(target {TARGET_COLD_FLOOR_X}x)"
+            )
+        if cache == "cold":
+            gbps = disk_gbps(local)
+            disk = (local.get("host") or {}).get("disk") or "a disk this file does not name"
+            line += (
+                "; cold = the guest's page cache dropped, the host may still cache the virtual "
+                "disk"
+                + (f" (the run's disk floor read {gbps:.2f} GB/s from {disk})" if gbps else "")
+            )
+        cell = residency_cell(best)
+        unit = " %" if cell[:1].isdigit() else ""
+        out.append(
+            f"{line}; page cache before that restore: {cell}{unit}. From {cite(res, 'local')}."
+        )
+    return out
+
+
+def headline_cluster(res: Results) -> list[str]:
+    cluster = res.doc("cluster")
+    if not (cluster and {"naive", "restore"} <= set(cluster["summary"])):
+        return []
+    n = cluster["summary"]["naive"]["first_token_s"]["median"]
+    r = cluster["summary"]["restore"]["first_token_s"]["median"]
+    trials = cluster.get("trials") or []
+    n_t = per_trial(trials, "first_token_s", arm="naive")
+    r_t = per_trial(trials, "first_token_s", arm="restore")
+    each = trial_ratios(n_t, r_t)
+    per = (
+        f" (per trial {joined(each, '{:.1f}', 'x')}: naive {joined(n_t.values(), '{:.1f}')} s, "
+        f"restore {joined(r_t.values())} s)"
+        if each
+        else ""
+    )
+    return [
+        f"- Cluster, scale 0 to 1 to the first token answered through the Service, asked once "
+        f"the pod is Ready (`kubectl rekindle bench`): naive {n:.1f} s, restore {r:.2f} s: "
+        f"**{n / r:.1f}x**{per}. From {cite(res, 'cluster')}."
+    ]
+
+
+def headline_weights(res: Results) -> list[str]:
+    """The mapped reload with and without the dump's BLAKE3 check, cold only where it was."""
+    doc = res.doc("weights")
+    if not doc:
+        return []
+    out = []
+    for wset, caches in doc.get("summary", {}).items():
+        for cache, methods in caches.items():
+            plain = methods.get("rekindle_fresh_map")
+            if not plain:
+                continue
+            checked = methods.get("rekindle_fresh_map_checked")
+            if cache == "cold" and not cold_valid(plain):
+                continue
+            with_check = (
+                f"{checked['gbps_median']:.2f} GB/s with it"
+                if checked
+                else "with it: not measured in this file"
+            )
+            label = "warm page cache" if cache == "warm" else "cold (guest page cache dropped)"
+            out.append(
+                f"- Weight reload into fresh memory by mapping the dump, {wset}, {label} "
+                f"(`rekindle-dev bench weights`): {plain['gbps_median']:.2f} GB/s without the "
+                f"dump's BLAKE3 check, {with_check}. From {cite(res, 'weights')}."
+            )
+    return out
+
+
+def cold_valid(entry: dict[str, Any]) -> bool:
+    """A "cold" row whose bytes were not in the guest's page cache before it (<= 1 %)."""
+    cached = entry.get("cached_median")
+    return cached is not None and cached <= 0.01
+
+
+def headline_mm(res: Results) -> list[str]:
+    doc = res.doc("mm")
+    s = (doc or {}).get("summary") or {}
+    if not {"shm", "off"} <= set(s):
+        return []
+    runs = doc.get("runs") or [] if doc else []
+    shm = per_trial(runs, "requests_per_s", config="shm")
+    vs_off = trial_ratios(shm, per_trial(runs, "requests_per_s", config="off"))
+    line = (
+        "- Multimodal processor cache, vLLM's own feature measured against vLLM's own off "
+        "switch (`--mm-processor-cache-gb 0`): the shm cache the operator turns on gives "
+        f"{s['shm']['requests_per_s'] / s['off']['requests_per_s']:.2f}x the throughput of off"
+        + (f" (per trial {joined(vs_off, unit='x')})" if vs_off else "")
+    )
+    if "lru" in s:
+        vs_lru = trial_ratios(shm, per_trial(runs, "requests_per_s", config="lru"))
+        line += (
+            f", and {s['shm']['requests_per_s'] / s['lru']['requests_per_s']:.2f}x that of "
+            f"vLLM's default LRU cache"
+            + (f" (per trial {joined(vs_lru, unit='x')})" if vs_lru else "")
+            + f"; LRU against off: {s['lru']['requests_per_s'] / s['off']['requests_per_s']:.2f}x"
+        )
+    return [line + f". From {cite(res, 'mm')}."]
+
+
+def headline_kv(res: Results) -> list[str]:
+    doc = res.doc("kv")
+    s = (doc or {}).get("summary") or {}
+    reuse = [r for r in s.values() if r["variant"] == "reuse" and r.get("speedup")]
+    if not reuse:
+        return []
+    last = max(reuse, key=lambda r: r["turn"])
+    base = s[f"no-reuse/{last['turn']}"]
+    runs = (doc or {}).get("runs") or []
+    each = trial_ratios(
+        per_trial(runs, "ttft", variant="no-reuse", turn=last["turn"]),
+        per_trial(runs, "ttft", variant="reuse", turn=last["turn"]),
+    )
+    return [
+        "- KV reuse across chat turns, vLLM's own automatic prefix caching measured against "
+        "vLLM's own off switch (`--no-enable-prefix-caching`), the same model on both: at turn "
+        f"{last['turn'] + 1} ({last['prompt_tokens']} prompt tokens, {last['hits_median']} "
+        f"reused) the first token takes {last['ttft_median']:.2f} s with it, "
+        f"{base['ttft_median']:.2f} s without: **{last['speedup']:.1f}x**"
+        + (f" (per trial {joined(each, '{:.1f}', 'x')})" if each else "")
+        + f". From {cite(res, 'kv')}."
+    ]
+
+
+def headline(res: Results | Path) -> str:
+    """The ratios that matter, each within its own run, with per-trial values and sources."""
+    res = res if isinstance(res, Results) else Results(res)
+    out = [
+        *headline_local(res),
+        *headline_cluster(res),
+        *headline_weights(res),
+        *headline_mm(res),
+        *headline_kv(res),
+    ]
+    warm = res.doc("warm")
     if warm:
-        out.append(f"- Warming (`rekindle-dev bench warm`): {warm['verdict']}.")
+        out.append(
+            f"- Warming (`rekindle-dev bench warm`): {warm['verdict']}. From {cite(res, 'warm')}."
+        )
     if not out:
         return "_No results collected yet._\n"
     return "\n".join(out) + "\n"
 
 
-def cold_start_plot(bench: Path, path: Path) -> bool:
+def cold_start_plot(bench: Path | Results, path: Path) -> bool:
     """Stacked bars: the naive boot by vLLM's phases, each restore path by the agent's."""
-    naive, local = load(bench, "naive"), load(bench, "local")
+    res = bench if isinstance(bench, Results) else Results(bench)
+    naive, local = res.doc("naive"), res.doc("local")
     bars: list[tuple[str, dict[str, float]]] = []
     same_run = local_naive_rows(local)
     for r in same_run:  # the naive boots of the restores' own run, split by their vLLM logs
         bars.append((f"naive boot, vLLM log\n{r['cache']}, same run", r["vllm_split_median"]))
     if naive and not same_run:
-        la = (naive.get("machine") or {}).get("load_avg") or [0.0]
+        host = naive.get("host") or naive.get("machine") or {}
+        la = host.get("load_avg") or host.get("load_avg_at_end") or [0.0]
         bars.append((f"naive boot, vLLM log\n(load {float(la[0]):.0f})", naive["phases"]))
     if local:
         for r in local["summary"].values():
@@ -631,21 +1003,124 @@ def cold_start_plot(bench: Path, path: Path) -> bool:
     return True
 
 
-def report(bench: Path, command: str) -> str:
+def section_weights(res: Results) -> str:
+    body = section_embedded(res, "weights")
+    doc = res.doc("weights")
+    cold = cold_meaning(doc, cold_read_gbps(doc), "the weight dump") + (
+        " A cold row whose file was partly cached before it (the cached-before column) is "
+        "not cold: the bench marks it."
+    )
+    direct = ""
+    if res.doc("weights-direct") is not None:
+        direct = "\n".join(
+            ["", "#### O_DIRECT reads (staged path)", "", section_embedded(res, "weights-direct")]
+        )
+    return "\n".join([cold, "", body, direct])
+
+
+def cold_read_gbps(doc: dict[str, Any] | None) -> float | None:
+    """bench weights' cold page-cache read of the dump (its N-thread read), GB/s."""
+    for caches in (doc or {}).get("summary", {}).values():
+        entry = caches.get("cold", {}).get("pagecache")
+        if entry:
+            return float(entry["gbps_median"])
+    return None
+
+
+def section_mm(res: Results) -> str:
+    return (
+        "The multimodal processor cache is vLLM's own feature: every ratio here compares it "
+        "with vLLM's own off switch (`--mm-processor-cache-gb 0`) or with vLLM's default LRU "
+        "cache, not with anything Rekindle replaces. What the operator adds is the shm cache "
+        "turned on and `/dev/shm` sized for it (docs/caches.md).\n\n" + section_embedded(res, "mm")
+    )
+
+
+def section_kv(res: Results) -> str:
+    return (
+        "KV reuse is vLLM's own automatic prefix caching: the ratios compare it with vLLM's "
+        "own off switch (`--no-enable-prefix-caching`), the same model and server otherwise. "
+        "The operator keeps it on (spec.kvCache.prefixCaching).\n\n" + section_embedded(res, "kv")
+    )
+
+
+def section_warm(res: Results) -> str:
+    doc = res.doc("warm")
+    if doc is None:
+        return missing("warm")
+    parts = [
+        "Residency is read with vmtouch before and after each trial (0% before proves the "
+        "cache cold). The agent keeps its own prefetcher: the restore must check every "
+        "byte it reads (BLAKE3, against the manifest), which vmtouch cannot do, so vmtouch "
+        "would add a second read; see the verdict. " + cold_meaning(doc, None),
+        "",
+        source_note(res, "warm"),
+        "",
+        embed(res.bench, "warm"),
+    ]
+    if res.doc("warm-synthetic") is not None:
+        parts += [source_note(res, "warm-synthetic"), "", embed(res.bench, "warm/synthetic")]
+    return "\n".join(parts)
+
+
+def results_files(res: Results) -> str:
+    """Every results file under the bench directory, its commit, date, load and status."""
+    rels = res.all_files()
+    if not rels:
+        return "_No results files._\n"
+    cited = {res.rel(n) for n in SOURCES} | {
+        f"ladder/{p.name}/results.json" for p in (res.bench / "ladder").glob("*/")
+    }
+    rows = [
+        "| file | commit | date | load average at start / end | status | in this report |",
+        "|---|---|---|---|---|---|",
+    ]
+    stale = 0
+    for rel in rels:
+        st = res.status_of(rel)
+        doc = res.read(rel) or {}
+        host = doc.get("host") or {}
+        start, end = host.get("load_avg_at_start"), host.get("load_avg_at_end")
+        load = f"{_loads(start) if start else '-'} / {_loads(end) if end else '-'}"
+        why = "" if st.current else f": {st.why()}"
+        stale += not st.current
+        rows.append(
+            f"| `{st.path}` | {st.commit[:10] or '-'} | {st.date or '-'} | {load} | "
+            f"{st.label}{' (recovered)' if st.recovered else ''}{why} | "
+            f"{'yes' if rel in cited else 'no'} |"
+        )
+    return (
+        f"{len(rels)} results files; {stale} not current (STALE: no commit, or the code they "
+        "measured changed since, or uncommitted changes to it now; DIRTY TREE: made from a "
+        'tree with uncommitted changes to it). "recovered": the file predates the benches '
+        "recording a commit; its commit is the one that last wrote it (git history), so its "
+        "numbers were measured at or before it.\n\n" + "\n".join(rows) + "\n"
+    )
+
+
+def report(bench: Path, command: str, repo: Path | None = None) -> str:
     """docs/benchmarks.md from whatever bench holds."""
+    res = Results(bench, repo)
     sections: list[tuple[str, Callable[[], str]]] = [
-        ("Naive boot, phase by phase (vLLM's own log)", lambda: section_naive(bench)),
-        ("Restore paths vs naive boot, process level", lambda: section_local(bench)),
+        ("Naive boot, phase by phase (vLLM's own log)", lambda: section_naive(res)),
+        ("Restore paths vs naive boot, process level", lambda: section_local(res)),
         (
             "Inside CRIU: stock vs mmap restore",
-            lambda: section_embedded(bench, "criu", ("bench.md",)),
+            lambda: section_embedded(res, "criu", ("bench.md",)),
         ),
-        ("Weight reload", lambda: section_embedded(bench, "weights")),
-        ("Size ladder (0.5B, 1.5B, 3B)", lambda: section_ladder(bench)),
-        ("Warming a cold checkpoint: vmtouch vs the prefetcher", lambda: section_warm(bench)),
-        ("Multimodal processor cache", lambda: section_embedded(bench, "mm")),
-        ("KV reuse across chat turns", lambda: section_embedded(bench, "kv")),
-        ("Cluster: pod to first token", lambda: section_cluster(bench)),
+        (
+            "Memory density",
+            lambda: section_embedded(res, "density", ("results.md", "bench-density.md")),
+        ),
+        ("Weight reload", lambda: section_weights(res)),
+        ("Size ladder (0.5B, 1.5B, 3B)", lambda: section_ladder(res)),
+        ("Tensor parallel 2, tiny model", lambda: section_embedded(res, "tp2")),
+        ("Warming a cold checkpoint: vmtouch vs the prefetcher", lambda: section_warm(res)),
+        ("CRIU's kdat cache", lambda: section_embedded(res, "kdat")),
+        ("Multimodal processor cache", lambda: section_mm(res)),
+        ("KV reuse across chat turns", lambda: section_kv(res)),
+        ("Cluster: pod to first token", lambda: section_cluster(res)),
+        ("Local cluster start", lambda: section_cluster_up(res)),
     ]
     m = machine()
     head = [
@@ -653,9 +1128,12 @@ def report(bench: Path, command: str) -> str:
         "",
         f"Generated by `{command}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
         "regenerate with `rekindle-dev bench report --collect` (collect only) or without "
-        "`--collect` (also runs the quick parts). Each section comes from its benchmark's own "
-        "results (docs/bench/), names the command behind its figures and the machine and load "
-        "average it ran under; ratios are taken within one run only.",
+        "`--collect` (also runs the quick parts). Every figure names the results file it came "
+        "from (docs/bench/), with the commit that file was made from; a file whose commit is "
+        "missing or whose measured code changed since is marked **STALE** where it is cited "
+        "and in [Results files](#results-files). Each section names the command behind its "
+        "figures and the machine and load average it ran under; ratios are taken within one "
+        "run only.",
         "",
         f"This machine now: {m['cpu']}, {m['cpus']} CPUs, {m['memory_gib']} GiB memory, "
         f"kernel {m['kernel']}, disk {m['disk']}, load average "
@@ -663,26 +1141,16 @@ def report(bench: Path, command: str) -> str:
         "load are slower and noisier than on a quiet machine, and each section says its load.",
         "",
     ]
-    body = [f"## Headline (each ratio within one run)\n\n{headline(bench)}"]
+    body = [f"## Headline (each ratio within one run)\n\n{headline(res)}"]
     body += [f"## {title}\n\n{fn()}" for title, fn in sections]
+    body += [f"## Results files\n\n{results_files(res)}"]
     return "\n".join([*head, *body, "## Fair comparison\n", FAIR])
 
 
-def section_warm(bench: Path) -> str:
-    doc = load(bench, "warm")
-    if doc is None:
-        return missing("warm")
-    return "\n".join(
-        [
-            "Residency is read with vmtouch before and after each trial (0% before proves the "
-            "cache cold). The agent keeps its own prefetcher: the restore must check every "
-            "byte it reads (BLAKE3, against the manifest), which vmtouch cannot do, so vmtouch "
-            "would add a second read; see the verdict.",
-            "",
-            embed(bench, "warm"),
-            embed(bench, "warm/synthetic"),
-        ]
-    )
+def stale_sources(res: Results) -> list[prov.Status]:
+    """The cited results files that are not current (what --strict refuses)."""
+    seen = {res.rel(n) for n in SOURCES if res.doc(n) is not None}
+    return [st for st in (res.status_of(r) for r in sorted(seen)) if not st.current]
 
 
 def command_line(args: argparse.Namespace) -> str:
@@ -692,14 +1160,90 @@ def command_line(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.recover:
+        return run_recover(args.recover)
+    if args.stamp_cluster:
+        return run_stamp_cluster(Path(args.stamp_cluster), args.save)
     bench = Path(args.bench_dir)
     if not args.collect:
         for part in [p for p in args.run.split(",") if p]:
             run_part(part, args, bench)
-    cold_start_plot(bench, bench / "report" / "cold-start.png")
-    text = report(bench, command_line(args))
+    res = Results(bench)
+    if args.strict and (bad := stale_sources(res)):
+        for st in bad:
+            log(f"{st.path}: {st.label}: {st.why()}")
+        log(f"--strict: {len(bad)} results files are not current; no report written")
+        return 1
+    cold_start_plot(res, bench / "report" / "cold-start.png")
+    text = report(bench, command_line(args), res.repo)
     Path(args.out).write_text(text)
     log(f"wrote {args.out}")
+    return 0
+
+
+def run_recover(paths: Sequence[str]) -> int:
+    """--recover: give old results files (no commit) the one git history holds for them."""
+    for name in paths:
+        path = Path(name).resolve()
+        root = git_root(path.parent)
+        if root is None:
+            log(f"{name}: not in a git checkout")
+            return 2
+        rel = str(path.relative_to((root / "docs" / "bench").resolve()))
+        done = prov.recover(path, prov.MEASURED_BY.get(prov.bench_of(rel), ()), root)
+        log(f"{name}: {'recovered' if done else 'has a commit already (or none in git): left'}")
+    return 0
+
+
+# --stamp-cluster takes the checkout's commit for results finished at most this long ago.
+STAMP_WITHIN_S = 30 * 60
+
+
+def age_s(stamp: str) -> float | None:
+    """Seconds since a UTC time written as 2026-11-25T22:50:00Z (None if not one)."""
+    try:
+        return time.time() - calendar.timegm(time.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ"))
+    except ValueError:
+        return None
+
+
+def run_stamp_cluster(path: Path, save: str | None) -> int:
+    """--stamp-cluster: add this checkout's commit to `kubectl rekindle bench --json`'s
+    results (the plugin ships without git or the dev tools); --save copies the stamped
+    results, with their plot and summary beside them, into a directory under docs/bench."""
+    doc = json.loads(path.read_text())
+    if doc.get("commit"):
+        log(f"{path} has a commit already: --stamp-cluster is for fresh results only")
+        return 2
+    age = age_s(str(doc.get("finished") or ""))
+    if age is None or age > STAMP_WITHIN_S:
+        log(
+            f"{path}: not finished in the last {STAMP_WITHIN_S // 60} minutes (or made by an "
+            "older plugin): this checkout need not be the code that ran it; not stamped"
+        )
+        return 2
+    la = (doc.get("client") or {}).get("load_avg_at_start") or os.getloadavg()
+    load_start = (float(la[0]), float(la[1]), float(la[2]))
+    stamp = provenance(
+        doc.get("command", "kubectl rekindle bench"),
+        prov.MEASURED_BY["cluster"],
+        load_start,
+    )
+    for key in ("commit", "dirty", "measured_paths"):
+        doc[key] = stamp[key]
+    doc.setdefault("date", stamp["date"])
+    doc["stamped"] = {"by": "rekindle-dev bench report --stamp-cluster", "at": stamp["finished"]}
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    log(
+        f"{path}: commit {doc['commit'][:10] or 'unknown'}{' (dirty tree)' if doc['dirty'] else ''}"
+    )
+    if save:
+        dest = Path(save)
+        dest.mkdir(parents=True, exist_ok=True)
+        for src in [path, *(path.with_name(n) for n in ("bench.png", "summary.txt"))]:
+            if src.exists():
+                shutil.copyfile(src, dest / ("bench.json" if src == path else src.name))
+        log(f"saved into {dest}")
     return 0
 
 
@@ -716,3 +1260,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--work", default="/var/tmp/rekindle-bench-report", help="scratch (on disk)")
     p.add_argument("--bench-dir", default="docs/bench")
     p.add_argument("--out", default="docs/benchmarks.md")
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="refuse (exit 1, write nothing) when a cited results file is not current",
+    )
+    p.add_argument(
+        "--recover",
+        nargs="+",
+        metavar="FILE",
+        help="only give these old results files (docs/bench/..., no commit) the commit that "
+        "last wrote them, from git history, marked as recovered",
+    )
+    p.add_argument(
+        "--stamp-cluster",
+        metavar="FILE",
+        help="only add this checkout's commit to a `kubectl rekindle bench --json` file",
+    )
+    p.add_argument("--save", metavar="DIR", help="with --stamp-cluster: copy the results here")

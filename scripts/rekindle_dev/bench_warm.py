@@ -37,7 +37,8 @@ from typing import Any
 from rekindle_agent import digests, prefetch, residency
 from rekindle_contract.manifest import IMAGES_SUBDIR, FileEntry
 
-from rekindle_dev.machine import machine
+from rekindle_dev.bench_common import provenance
+from rekindle_dev.bench_provenance import MEASURED_BY, provenance_line
 
 MiB = 1 << 20
 METHODS = (
@@ -238,15 +239,21 @@ def verdict(summary: dict[str, Any]) -> str:
 
 def table(doc: dict[str, Any]) -> str:
     s = doc["summary"]
+    host = doc.get("host") or doc["machine"]  # "machine": results made before provenance
+    end = host.get("load_avg_at_end") or host["load_avg"]
     lines = [
         "# Warming a cold checkpoint: vmtouch -t vs the prefetcher",
         "",
         f"Checkpoint: {doc['checkpoint']} ({doc['bytes'] / 2**30:.2f} GiB, "
         f"{doc['files']} files); {doc['threads']} threads/processes; "
-        f"machine: {doc['machine']['cpu']}, {doc['machine']['cpus']} CPUs, "
-        f"{doc['machine']['memory_gib']} GiB, kernel {doc['machine']['kernel']}, "
-        f"disk {doc['machine']['disk']}; load average at the end "
-        f"{', '.join(f'{x:.1f}' for x in doc['machine']['load_avg'])}.",
+        f"machine: {host['cpu']}, {host['cpus']} CPUs, "
+        f"{host['memory_gib']} GiB, kernel {host['kernel']}, "
+        f"disk {host['disk']}; load average at the end "
+        f"{', '.join(f'{x:.1f}' for x in end)}. {provenance_line(doc)}",
+        "",
+        "Cold: the guest's page cache dropped before each method (the residency before "
+        "proves it); the host may still cache the virtual disk, so GB/s here is the "
+        "guest's read path, not the storage's.",
         "",
         "| method | trials | median s | min-max s | GB/s | x prefetcher | resident after |",
         "|---|---|---|---|---|---|---|",
@@ -322,6 +329,7 @@ def run(args: argparse.Namespace) -> int:
     nbytes = sum(int(f["size"]) for f in files)
     todo = methods(binary, root, files, args.threads)
     runs: list[dict[str, Any]] = []
+    started, load_start = time.time(), os.getloadavg()
     try:
         for trial in range(args.trials):
             order = list(METHODS[trial % len(METHODS) :] + METHODS[: trial % len(METHODS)])
@@ -351,8 +359,14 @@ def run(args: argparse.Namespace) -> int:
             shutil.rmtree(root, ignore_errors=True)
     summary = summarize(runs, nbytes)
     doc = {
-        "command": command_line(args),
-        "machine": machine(str(work if made else root)),  # the disk under the files
+        # scratch: the disk under the files
+        **provenance(
+            command_line(args),
+            MEASURED_BY["warm"],
+            load_start,
+            started,
+            str(work if made else root),
+        ),
         "checkpoint": str(args.dir) if args.dir else f"synthetic, {args.size_gb:g} GB",
         "bytes": nbytes,
         "files": len(files),

@@ -9,9 +9,17 @@ warm and a cold page cache (`echo 3 > /proc/sys/vm/drop_caches`), it times:
   pagecache_1thread  the same with one thread (what `cat` or dd would see)
   h2d_pinned       (cuda) pinned host-to-device copies: the other limit
   rekindle         reload_tensors into the existing tensors (verify off)
-  rekindle_verify  the same with every block's CRC-32 checked
+  rekindle_verify  the same with the reloader's own per-block CRC-32 checked (what a
+                   restore uses only with --verify-checksums size; not the BLAKE3 check)
   rekindle_fresh   (cpu) after release: storages shrunk to 0 and re-grown
                    (fresh memory, page faults included), as a restored worker does
+  rekindle_fresh_map  (cpu, --map) the same by mapping the dump (the default on CPU)
+  dump_check_blake3   the check a restore runs on the dump before it reloads: the
+                   agent's prefetcher reading every dump file with BLAKE3 against
+                   its digest (rekindle_agent.prefetch, the agent's thread count)
+  *_checked        that check, then the reload: the restore's whole cost of the
+                   weights when nothing else runs beside it (in a restore the check
+                   overlaps CRIU's restore, so this is the upper bound)
   vllm_iterator    vLLM's default safetensors iterator (mmap) copying into the
                    same tensors: what DefaultModelLoader does for plain weights
   safetensors      safetensors.torch.load_file of the same tensors, copied into
@@ -21,6 +29,10 @@ warm and a cold page cache (`echo 3 > /proc/sys/vm/drop_caches`), it times:
                    timed around the HTTP call and inside the worker
 
 Each number is the median of --trials runs, all in one run of this command.
+"cold" drops the guest's page cache first, and each row records how much of its
+file was still cached before it: a cold row with more than 1% cached is marked
+not cold. The host may cache the virtual disk even so; the cold `pagecache` row
+(a plain read of the dump) says how fast this machine's "storage" answered.
 Needs only torch (and safetensors) for the synthetic sets; vLLM for the rest.
 """
 
@@ -42,7 +54,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rekindle_agent import digests, prefetch
 from rekindle_contract import rpc
+from rekindle_contract.agent_args import AgentArgs
+from rekindle_contract.manifest import FileEntry
 from rekindle_weights import format as fmt
 from rekindle_weights.dump import dump_tensors
 from rekindle_weights.reload import (
@@ -51,6 +66,9 @@ from rekindle_weights.reload import (
     reload_tensors,
     unmap_ranges,
 )
+
+from rekindle_dev.bench_common import provenance
+from rekindle_dev.bench_provenance import MEASURED_BY, provenance_line
 
 if TYPE_CHECKING:
     import torch
@@ -243,6 +261,32 @@ def fresh_map_gbps(
     return res.bytes / secs / 1e9
 
 
+def dump_entries(d: Path) -> list[FileEntry]:
+    """The dump's files with their BLAKE3 digests, as a checkpoint's manifest records them."""
+    out: list[FileEntry] = []
+    for f in sorted(p for p in d.iterdir() if p.is_file() and p.suffix != ".safetensors"):
+        h = digests.new("blake3")
+        with f.open("rb") as fh:
+            while chunk := fh.read(8 * MiB):
+                h.update(chunk)
+        out.append({"path": f.name, "size": f.stat().st_size, "blake3": h.hexdigest()})
+    return out
+
+
+def check_dump_seconds(d: Path, files: list[FileEntry]) -> float:
+    """The restore's check of the dump: the agent's prefetcher, BLAKE3, its thread count."""
+    t0 = time.perf_counter()
+    res = prefetch.Prefetcher(d, files, AGENT_PREFETCH_THREADS, "blake3").result()
+    secs = time.perf_counter() - t0
+    if res.bad:
+        raise RuntimeError(f"the dump failed its own check: {res.bad}")
+    return secs
+
+
+# The agent's default reader threads (--prefetch-threads).
+AGENT_PREFETCH_THREADS = AgentArgs().prefetch_threads
+
+
 def mmap_page() -> int:
     import mmap
 
@@ -306,8 +350,21 @@ def bench_set(
         # The headline: how a restore reloads (fresh memory, every block checked).
         methods["rekindle_fresh_verify"] = fresh_verify
         methods["fresh_touch"] = lambda: fresh_touch_gbps(nbytes)
+        entries = dump_entries(d)  # the manifest's digests (not timed)
+        dump_bytes = sum(int(f["size"]) for f in entries)
+        methods["dump_check_blake3"] = lambda: dump_bytes / check_dump_seconds(d, entries) / 1e9
+
+        def checked(reload_gbps: Callable[[], float]) -> float:
+            # The check, then the reload (which then finds the dump in the page cache).
+            secs = check_dump_seconds(d, entries)
+            return nbytes / (secs + nbytes / (reload_gbps() * 1e9)) / 1e9
+
+        methods["rekindle_fresh_checked"] = lambda: checked(fresh)
         if getattr(args, "map", False):
             methods["rekindle_fresh_map"] = lambda: fresh_map_gbps(d, tensors, opts, False)
+            methods["rekindle_fresh_map_checked"] = lambda: checked(
+                lambda: fresh_map_gbps(d, tensors, opts, False)
+            )
             methods["rekindle_fresh_map_verify"] = lambda: fresh_map_gbps(d, tensors, opts, True)
     else:
         methods["h2d_pinned"] = lambda: h2d_pinned_gbps(nbytes, device)
@@ -466,8 +523,10 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             for m in (
                 "rekindle_fresh",
                 "rekindle_fresh_verify",
+                "rekindle_fresh_checked",
                 "rekindle_fresh_map",
                 "rekindle_fresh_map_verify",
+                "rekindle_fresh_map_checked",
                 "rekindle",
                 "rekindle_verify",
             ):
@@ -479,6 +538,30 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 if rk and base in methods:
                     methods["rekindle"][f"vs_{base}"] = round(rk / methods[base]["gbps_median"], 3)
     return out
+
+
+# A "cold" row whose file had more than this share in the page cache before it is not cold.
+COLD_MAX_CACHED = 0.01
+
+
+def cold_note(summary: dict[str, Any], disk: str | None) -> str:
+    """What "cold" means in this run: the guest's page cache only, and how fast the
+    cold read of the dump was (the host may cache the virtual disk)."""
+    text = (
+        'Cold: the guest\'s page cache dropped before each run ("cached before" shows what '
+        "was left; above 1% the row is marked NOT cold); the host may still cache the virtual "
+        "disk."
+    )
+    for name, caches in summary.items():
+        read = caches.get("cold", {}).get("pagecache")
+        if read:
+            text += (
+                f" A cold read of the {name} dump ran at {read['gbps_median']:.2f} GB/s"
+                + (f" from {disk}" if disk else "")
+                + "."
+            )
+            break
+    return text
 
 
 def table(summary: dict[str, Any]) -> str:
@@ -499,6 +582,8 @@ def table(summary: dict[str, Any]) -> str:
                         extra += f"; {e['worker_seconds_median'] * 1000:.1f} ms in the worker"
                     extra += ")"
                 cached = f"{e['cached_median']:.0%}" if "cached_median" in e else ""
+                if cache == "cold" and e.get("cached_median", 0.0) > COLD_MAX_CACHED:
+                    cached += " (NOT cold)"
                 lines.append(
                     f"| {st} | {cache} | {m} | {e['gbps_median']:.3f}{extra} | "
                     f"{e['gbps_min']:.3f}..{e['gbps_max']:.3f} | {ratio} | {cached} | "
@@ -572,6 +657,7 @@ def run(args: argparse.Namespace) -> int:
         direct=args.direct,
     )
     rows: list[dict[str, Any]] = []
+    started, load_start = time.time(), os.getloadavg()
     if args.device == "cpu" and not args.no_vllm and _importable("vllm"):
         rows += bench_tiny_vllm(work, args)
     for gib in [float(x) for x in args.sizes.split(",") if x]:
@@ -587,20 +673,15 @@ def run(args: argparse.Namespace) -> int:
     summary = summarize(rows)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    host = {
-        "node": platform.node(),
-        "kernel": platform.release(),
-        "cpus": os.cpu_count(),
-        "load_avg_at_end": os.getloadavg(),
-        "device": args.device,
-    }
+    doc = provenance(command_line(args), MEASURED_BY["weights"], load_start, started, str(work))
+    host = doc["host"]
+    host["device"] = args.device
     if args.device.startswith("cuda"):
         import torch
 
         host["gpu"] = torch.cuda.get_device_name()
-    doc = {
-        "command": command_line(args),
-        "host": host,
+    doc |= {
+        "agent_prefetch_threads": AGENT_PREFETCH_THREADS,
         "options": {
             "threads": opts.resolved_threads(),
             "chunk_bytes": opts.chunk_bytes,
@@ -613,7 +694,14 @@ def run(args: argparse.Namespace) -> int:
     suffix = "" if args.device == "cpu" else f"-{args.device.split(':')[0]}"
     (out / f"results{suffix}.json").write_text(json.dumps(doc, indent=2))
     text = table(summary)
-    (out / f"results{suffix}.md").write_text(f"`{doc['command']}` on {host}\n\n" + text)
+    (out / f"results{suffix}.md").write_text(
+        f"`{doc['command']}` on {host['node']} ({host['cpu']}, {host['cpus']} CPUs, "
+        f"{host.get('gpu', args.device)}). {provenance_line(doc)}\n\n"
+        f'{cold_note(summary, host.get("disk"))} "_checked": the restore\'s BLAKE3 check '
+        f"of the dump ({AGENT_PREFETCH_THREADS} threads, the agent's prefetcher), then the "
+        "reload; in a restore the check overlaps CRIU's restore, so that figure is its upper "
+        'bound. "_verify": the reloader\'s own per-block CRC-32 instead.\n\n' + text
+    )
     plot(
         summary,
         out / f"results{suffix}.png",

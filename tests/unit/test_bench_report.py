@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import time
 from datetime import datetime
 from pathlib import Path
 
 import pytest
 from rekindle_dev import bench_report, bench_warm
+from rekindle_dev import commands as cli
 
 # The lines a vLLM 0.32 naive boot logs, in its own formats (paths shortened).
 BOOT_LOG = """\
@@ -88,7 +91,7 @@ def test_report_collects_what_is_there_and_names_commands_for_the_rest(tmp_path:
     )
     _write(
         bench,
-        "cluster/bench.json",
+        "cluster/demo/bench.json",
         {
             "command": "kubectl rekindle bench tiny",
             "date": "d",
@@ -104,7 +107,7 @@ def test_report_collects_what_is_there_and_names_commands_for_the_rest(tmp_path:
     (bench / "kv").mkdir()
     (bench / "kv" / "results.md").write_text("# KV table\n\n| a |\n|---|\n| 1 |\n")
     text = bench_report.report(bench, "rekindle-dev bench report --collect")
-    assert "| patched (mmap) | warm | 1.60 | 18.8x |" in text
+    assert "| patched (mmap) | warm | 1.60 | - | 18.8x |" in text
     assert "**18.8x**; the target is 30x: misses it (it needs 1.00 s, 0.60 s less)" in text
     assert "load average 1.0, 2.0, 3.0" in text
     assert "Command: `rekindle-dev bench local --trials 3`" in text
@@ -212,7 +215,7 @@ def test_naive_split_and_residency_come_from_bench_locals_run(tmp_path: Path) ->
     assert "| **launch to Ready** | **30.50** |" in naive
     assert "99.00" not in naive  # the separate run is not used when the same run has it
     assert "INFO 11-24 x" in naive
-    assert "| patched-signed | cold | 3.10 | 10.0x | 0.5 (0.0-1.0) |" in text
+    assert "| patched-signed | cold | 3.10 | - | 10.0x | 0.5 (0.0-1.0) |" in text
     assert "Residency before restore, over the restore paths' medians: cold 0.5-0.5 %." in text
     assert "page cache before that restore: 0.5 (0.0-1.0) %." in text
     assert bench_report.cold_start_plot(bench, tmp_path / "c.png")
@@ -233,7 +236,229 @@ def test_results_without_the_new_fields_say_not_recorded(tmp_path: Path) -> None
     )
     text = bench_report.report(bench, "rekindle-dev bench report --collect")
     assert "predate the per-boot split: not recorded there" in text
-    assert "| patched-signed | cold | 3.10 | 10.0x | not recorded |" in text
+    assert "| patched-signed | cold | 3.10 | - | 10.0x | not recorded |" in text
     assert "Residency before restore: not recorded in this run." in text
     assert "- 0.5b: Residency before restore: not recorded in this run. Naive split: not" in text
     assert "page cache before that restore: not recorded." in text
+
+
+# -- provenance, per-trial values, what cold means, the off switches --------------------
+
+
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(
+        ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+
+
+def _local_runs() -> dict[str, object]:
+    """bench local's results for two trials: naive and patched-signed, warm and cold."""
+    ttft = {("naive", "warm"): [30.0, 33.0], ("patched-signed", "warm"): [1.0, 1.1]}
+    ttft |= {("naive", "cold"): [32.0, 31.0], ("patched-signed", "cold"): [2.0, 2.5]}
+    runs = [
+        {"variant": v, "cache": c, "trial": t, "ttft": x}
+        for (v, c), xs in ttft.items()
+        for t, x in enumerate(xs)
+    ]
+    summary = {
+        f"{v}/{c}": {
+            "variant": v,
+            "cache": c,
+            "ttft_median": sum(xs) / 2,
+            "phases_median": {},
+            **({"speedup_vs_naive": 1.0} if v != "naive" else {}),
+        }
+        for (v, c), xs in ttft.items()
+    }
+    return {
+        "command": "rekindle-dev bench local --trials 2",
+        "checkpoint_bytes": 2_000_000_000,
+        "disk_floor_seconds": {"seconds": [0.8, 0.8], "median": 0.8},
+        "host": {"node": "vm", "cpus": 2, "disk": "vda (rotational per the kernel)"},
+        "summary": summary,
+        "runs": runs,
+    }
+
+
+def _mm() -> dict[str, object]:
+    rps = {"shm": [12.0, 11.0], "lru": [10.0, 11.0], "off": [8.0, 10.0]}
+    return {
+        "command": "rekindle-dev bench mm",
+        "summary": {c: {"config": c, "requests_per_s": sum(v) / 2} for c, v in rps.items()},
+        "runs": [
+            {"config": c, "trial": t, "requests_per_s": x}
+            for c, v in rps.items()
+            for t, x in enumerate(v)
+        ],
+    }
+
+
+def _kv() -> dict[str, object]:
+    ttft = {"reuse": [1.0, 2.0], "no-reuse": [4.0, 5.0]}
+    summary: dict[str, object] = {
+        f"{v}/1": {
+            "variant": v,
+            "turn": 1,
+            "prompt_tokens": 600,
+            "hits_median": 512,
+            "ttft_median": sum(x) / 2,
+        }
+        for v, x in ttft.items()
+    }
+    summary["reuse/1"]["speedup"] = 3.0  # type: ignore[index]
+    runs = [
+        {"variant": v, "trial": t, "turn": 1, "ttft": x}
+        for v, xs in ttft.items()
+        for t, x in enumerate(xs)
+    ]
+    return {"command": "rekindle-dev bench kv", "summary": summary, "runs": runs}
+
+
+def _cluster() -> dict[str, object]:
+    ft = {"naive": [40.0, 50.0], "restore": [2.0, 2.5]}
+    return {
+        "command": "kubectl rekindle bench smollm2",
+        "date": "2026-11-25T10:00:00Z",
+        "node": {"name": "vm", "kernel": "6.18", "cpus": "2", "kubelet": "v1.35.4"},
+        "summary": {
+            a: {
+                "ready_s": {"n": 2, "median": sum(v) / 2},
+                "first_token_s": {"n": 2, "median": sum(v) / 2},
+            }
+            for a, v in ft.items()
+        },
+        "trials": [
+            {"arm": a, "trial": t, "first_token_s": x}
+            for a, v in ft.items()
+            for t, x in enumerate(v)
+        ],
+    }
+
+
+def _weights() -> dict[str, object]:
+    def entry(gbps: float, cached: float) -> dict[str, float]:
+        return {"gbps_median": gbps, "cached_median": cached}
+
+    return {
+        "command": "rekindle-dev bench weights --sizes 1 --map",
+        "summary": {
+            "1GiB": {
+                "warm": {
+                    "rekindle_fresh_map": entry(18.0, 1.0),
+                    "rekindle_fresh_map_checked": entry(3.4, 1.0),
+                },
+                "cold": {
+                    "pagecache": entry(2.8, 0.0),
+                    "rekindle_fresh_map": entry(2.0, 0.4),  # was cached: not cold
+                },
+            }
+        },
+    }
+
+
+@pytest.fixture
+def bench_repo(tmp_path: Path) -> Path:
+    """A git checkout whose docs/bench holds results from its HEAD, measuring src/."""
+    repo = tmp_path / "repo"
+    (repo / "src").mkdir(parents=True)
+    (repo / "src" / "measured.py").write_text("v = 1\n")
+    _git(repo, "init", "-q")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "code")
+    head = _git(repo, "rev-parse", "HEAD")
+    bench = repo / "docs" / "bench"
+    prov = {"commit": head, "date": "2026-11-25T10:00:00Z", "measured_paths": ["src"]}
+    for rel, doc in (
+        ("local/results.json", _local_runs()),
+        ("mm/results.json", _mm()),
+        ("kv/results.json", _kv()),
+        ("cluster/demo/bench.json", _cluster()),
+        ("weights/results.json", _weights()),
+    ):
+        _write(bench, rel, {**doc, **prov})
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "results")
+    return bench
+
+
+def test_every_figure_names_its_file_with_per_trial_values(bench_repo: Path) -> None:
+    text = bench_report.report(bench_repo, "rekindle-dev bench report --collect")
+    head = text.split("## Headline")[1].split("\n## ")[0]
+    assert (
+        "naive 31.50 s, best restore (patched-signed) 1.05 s to the first token: **30.0x** "
+        "(per trial 30.0/30.0x: naive 30.00/33.00 s, restore 1.00/1.10 s)" in head
+    )
+    assert "From `docs/bench/local/results.json`." in head  # current: no mark
+    assert "**STALE**" not in text.split("## Headline")[1]
+    assert "(per trial 20.0/20.0x: naive 40.0/50.0 s, restore 2.00/2.50 s)" in head
+    assert "first token answered through the Service, asked once the pod is Ready" in head
+    # Claims against vLLM's own off switch say so, and against its default LRU cache too.
+    assert (
+        "vLLM's own feature measured against vLLM's own off switch (`--mm-processor-cache-gb 0`)"
+        ": the shm cache the operator turns on gives 1.28x the throughput of off (per trial "
+        "1.50/1.10x), and 1.10x that of vLLM's default LRU cache (per trial 1.20/1.00x); LRU "
+        "against off: 1.17x. From `docs/bench/mm/results.json`." in head
+    )
+    assert (
+        "vLLM's own automatic prefix caching measured against vLLM's own off switch "
+        "(`--no-enable-prefix-caching`)" in head
+    )
+    assert "**3.0x** (per trial 4.0/2.5x). From `docs/bench/kv/results.json`." in head
+    # Reload with and without the check; the "cold" row that was cached is left out.
+    assert "18.00 GB/s without the dump's BLAKE3 check, 3.40 GB/s with it" in head
+    assert "cold (guest page cache dropped)" not in head
+    # Cold: the guest's page cache, the disk floor's speed, the kernel's rotational flag.
+    assert "(the run's disk floor read 2.50 GB/s from vda (rotational per the kernel))" in head
+    local = text.split("## Restore paths")[1].split("\n## ")[0]
+    assert "Source: `docs/bench/local/results.json` (commit " in local
+    assert "| patched-signed | warm | 1.05 | 1.00/1.10 | 1.0x |" in local
+    assert "The same run read the checkpoint cold at 2.50 GB/s from vda (rotational" in local
+    assert (
+        "A disk the kernel calls rotational does not deliver that: the host's cache did." in local
+    )
+    weights = text.split("## Weight reload")[1].split("\n## ")[0]
+    assert "A cold read of" not in weights and "cold at 2.80 GB/s" in weights
+    files = text.split("## Results files")[1].split("\n## ")[0]
+    assert "5 results files; 0 not current" in files
+    assert "| `docs/bench/kv/results.json` | " in files and "| current | yes |" in files
+
+
+def test_changed_code_marks_its_results_stale_everywhere_they_are_cited(bench_repo: Path) -> None:
+    repo = bench_repo.parent.parent
+    (repo / "src" / "measured.py").write_text("v = 2\n")
+    text = bench_report.report(bench_repo, "x")
+    assert "From `docs/bench/kv/results.json`, **STALE**." in text
+    assert "measured code has uncommitted changes now: src/measured.py" in text
+    assert "5 results files; 5 not current" in text
+    _git(repo, "commit", "-q", "-am", "change")
+    text = bench_report.report(bench_repo, "x")
+    assert "measured code changed since" in text and "src/measured.py" in text
+    out = str(repo / "out.md")
+    args = cli.build_parser().parse_args(
+        ["bench", "report", "--collect", "--strict", "--bench-dir", str(bench_repo), "--out", out]
+    )
+    assert bench_report.run(args) == 1 and not (repo / "out.md").exists()
+
+
+def test_stamp_cluster_adds_the_commit_to_fresh_results_only(tmp_path: Path) -> None:
+    fresh = {
+        "command": "kubectl rekindle bench s",
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "summary": {},
+        "trials": [],
+    }
+    path = tmp_path / "out" / "bench.json"
+    _write(tmp_path, "out/bench.json", fresh)
+    (tmp_path / "out" / "bench.png").write_bytes(b"png")
+    assert bench_report.run_stamp_cluster(path, str(tmp_path / "saved")) == 0
+    doc = json.loads((tmp_path / "saved" / "bench.json").read_text())
+    assert len(doc["commit"]) == 40 and isinstance(doc["dirty"], bool)
+    assert "operator/rekindle_operator" in doc["measured_paths"]
+    assert (tmp_path / "saved" / "bench.png").read_bytes() == b"png"
+    assert bench_report.run_stamp_cluster(path, None) == 2  # a commit already
+    _write(tmp_path, "old.json", {**fresh, "finished": "2026-01-01T00:00:00Z"})
+    assert bench_report.run_stamp_cluster(tmp_path / "old.json", None) == 2
+    assert "commit" not in json.loads((tmp_path / "old.json").read_text())

@@ -55,7 +55,15 @@ def test_small_real_run_writes_json_table_and_plot(tmp_path: Path) -> None:
     assert rc == 0
     doc = json.loads((out / "results.json").read_text())
     warm = doc["summary"]["0.05GiB"]["warm"]
-    for method in ("pagecache", "rekindle", "rekindle_verify", "rekindle_fresh"):
+    methods = ("pagecache", "rekindle", "rekindle_verify", "rekindle_fresh")
+    for method in (*methods, "dump_check_blake3", "rekindle_fresh_checked"):
         assert warm[method]["gbps_median"] > 0, method
+    assert (
+        len(doc["commit"]) == 40
+        and "scripts/rekindle_dev/bench_weights.py" in (doc["measured_paths"])
+    )
+    assert doc["host"]["load_avg_at_start"] and doc["host"]["disk"]
     assert (out / "results.png").stat().st_size > 0
-    assert "rekindle_verify" in (out / "results.md").read_text()
+    md = (out / "results.md").read_text()
+    assert "rekindle_verify" in md and "Made from commit " in md
+    assert '"_checked": the restore\'s BLAKE3 check of the dump' in md

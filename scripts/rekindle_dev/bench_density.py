@@ -235,20 +235,31 @@ def memcg_root() -> tuple[Path, int]:
 
 
 def replica_argv(
-    agent: Sequence[str], procs_file: Path, replica_run: Path, run_dir: Path, shm_size: str = "6g"
+    agent: Sequence[str],
+    procs_file: Path,
+    replica_run: Path,
+    run_dir: Path,
+    cwd: Path,
+    shm_size: str = "6g",
 ) -> list[str]:
     """The argv that runs one replica's agent in its sandbox: join the memory cgroup
     first (so every page the replica touches first is charged to it), then new network,
     PID and mount namespaces with loopback up, the replica's own run dir over the path
-    the checkpoint names, and a private /dev/shm; the agent is exec'ed as PID 1."""
+    the checkpoint names, and a private /dev/shm; the agent is exec'ed as PID 1 in cwd.
+
+    cwd: the same for the agent that made the checkpoint and every replica (a restored
+    tree keeps its working directory), and outside the checkout: `python -m` puts the
+    working directory on sys.path, and the agent's fingerprint hashes the package
+    metadata found there, which a `pip install` in the checkout rewrites."""
     inner = (
         'ip link set lo up && mount --bind "$1" "$2" && '
-        f"mount -t tmpfs -o size={shm_size},mode=1777 shm /dev/shm && shift 2 && exec " + '"$@"'
+        f"mount -t tmpfs -o size={shm_size},mode=1777 shm /dev/shm && "
+        'cd "$3" && shift 3 && exec "$@"'
     )
     return [
         "sh", "-c", 'echo $$ > "$1" && shift && exec "$@"', "sh", str(procs_file),
         "unshare", "--net", "--pid", "--fork", "--mount-proc", "--mount", "--",
-        "sh", "-c", inner, "sh", str(replica_run), str(run_dir),
+        "sh", "-c", inner, "sh", str(replica_run), str(run_dir), str(cwd),
         *agent,
     ]  # fmt: skip
 
@@ -325,12 +336,14 @@ def launch(factory: AgentFactory, name: str, memcg: Memcg, work: Path, **overrid
     run.mkdir(parents=True, mode=0o700)
     ports_file = work / "replicas" / f"{name}.ports.json"
     args = factory.args(ports_file=str(ports_file), **overrides)
-    argv = replica_argv(agent_argv(args, AGENT_COMMAND), memcg.procs_file, run, factory.run_dir)
-    agent = AgentProc(
+    argv = replica_argv(
+        agent_argv(args, AGENT_COMMAND), memcg.procs_file, run, factory.run_dir, work
+    )
+    proc = AgentProc(
         argv, work / "replicas" / f"{name}.log", ports_file, factory.token, factory.env
     )
-    agent.vllm_port = None  # its port is in its own network namespace: nothing to wait for here
-    return Replica(name, agent, memcg, run)
+    proc.vllm_port = None  # its port is in its own network namespace: nothing to wait for here
+    return Replica(name, proc, memcg, run)
 
 
 def answers(rep: Replica, prompts: Sequence[str], max_tokens: int) -> list[str]:

@@ -42,19 +42,26 @@ from rekindle_contract.vllm_argv import VllmOptions, vllm_argv
 # vLLM's tree gets PIDs above this in its namespace (the agent's --ns-last-pid default).
 PID_FLOOR = 10000
 SHM_SIZE = "6g"
-# PID 1 of the boot namespace: a /dev/shm of its own, PIDs pushed up, vLLM as its child,
-# then it stays (sleep) so the namespace and its /dev/shm outlive vLLM's dump.
+# PID 1 of the boot namespace: a /dev/shm of its own, PIDs pushed up, vLLM as its child in
+# a session of its own (CRIU refuses a tree whose session leader is outside its namespace),
+# then it stays (sleep) so the namespace and its /dev/shm outlive vLLM's dump. vLLM's
+# stdio is opened here, inside the namespace ($1: its log): CRIU cannot dump a descriptor
+# opened in another mount namespace.
 BOOT_INIT = f"""
 mount -t tmpfs -o size={SHM_SIZE},mode=1777 shm /dev/shm || exit 1
 echo {PID_FLOOR} > /proc/sys/kernel/ns_last_pid || exit 1
-"$@" &
+log=$1
+shift
+setsid "$@" </dev/null >"$log" 2>&1 &
 exec sleep infinity
 """
-# PID 1 of a restore's namespace: /dev/shm back, then CRIU, then it stays as the tree's parent.
+# PID 1 of a restore's namespace: /dev/shm back ($1), vLLM's log as it was at the dump ($2
+# copied over $3: CRIU checks an open file's size), then CRIU; it stays as the tree's parent.
 RESTORE_INIT = f"""
 mount -t tmpfs -o size={SHM_SIZE},mode=1777 shm /dev/shm || exit 1
 cp -a --sparse=always "$1/." /dev/shm/ || exit 1
-shift
+cp "$2" "$3" || exit 1
+shift 3
 "$@" || exit 1
 exec sleep infinity
 """
@@ -67,12 +74,14 @@ class PlainImage:
 
     images: Path
     shm: Path
+    log: Path  # vLLM's log, which the tree keeps open: restored to saved_log before CRIU
+    saved_log: Path
     port: int
     served_name: str
 
     def paths(self) -> list[Path]:
         """What a restore reads (what a warm trial warms and residency measures)."""
-        return [self.images, self.shm]
+        return [self.images, self.shm, self.saved_log]
 
     def bytes(self) -> int:
         return sum(f.stat().st_size for p in self.paths() for f in p.rglob("*") if f.is_file())
@@ -159,10 +168,16 @@ def dump_whole_server(
         worker_extension=None,
     )
     env = vllm_env("cpu", run_dir=str(run))
-    argv = [*UNSHARE, "sh", "-c", BOOT_INIT, "sh", *seccomp.wrap(vllm_argv(opts))]
+    vllm_log = work / "vllm.log"  # stays beside the images: the restored tree writes on
+    init_argv = ["sh", "-c", BOOT_INIT, "sh", str(vllm_log), *seccomp.wrap(vllm_argv(opts))]
     with (work / "boot.log").open("wb") as out:
         proc = subprocess.Popen(
-            argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            [*UNSHARE, *init_argv],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
         )
     try:
         _wait_health(port, proc, timeout=900)
@@ -180,9 +195,11 @@ def dump_whole_server(
         # The dump ended the tree; its /dev/shm lives on with the namespace's init.
         src = f"/proc/{init[0]}/root/dev/shm/."
         subprocess.run(["cp", "-a", "--sparse=always", src, str(shm)], check=True, timeout=600)
+        saved_log = work / "vllm.log.dumped"
+        saved_log.write_bytes(vllm_log.read_bytes())
     finally:
         stop(proc, port)
-    return PlainImage(images=images, shm=shm, port=port, served_name=served_name)
+    return PlainImage(images, shm, vllm_log, saved_log, port, served_name)
 
 
 def restore_argv(criu: Path, image: PlainImage, log: Path) -> list[str]:
@@ -192,7 +209,8 @@ def restore_argv(criu: Path, image: PlainImage, log: Path) -> list[str]:
         str(criu), "restore", "-d", "-D", str(image.images), "-W", str(log.parent),
         "-o", str(log), "-v4", *COMMON_FLAGS,
     ]  # fmt: skip
-    return [*UNSHARE, "sh", "-c", RESTORE_INIT, "sh", str(image.shm), *criu_cmd]
+    init = [str(image.shm), str(image.saved_log), str(image.log)]
+    return [*UNSHARE, "sh", "-c", RESTORE_INIT, "sh", *init, *criu_cmd]
 
 
 @dataclass
@@ -210,6 +228,7 @@ def restore_once(criu: Path, image: PlainImage, work: Path, timeout: float = 600
     with (work / "restore.out").open("wb") as out:
         proc = subprocess.Popen(
             restore_argv(criu, image, log),
+            stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,

@@ -130,13 +130,16 @@ def test_each_arm_warms_what_it_reads(tmp_path: Path) -> None:
     from rekindle_dev.plain_criu import PlainImage
 
     model, ckpt = tmp_path / "model", tmp_path / "ckpt"
-    plain = PlainImage(tmp_path / "images", tmp_path / "shm", 1, "tiny")
+    plain = PlainImage(
+        tmp_path / "images", tmp_path / "shm", tmp_path / "log", tmp_path / "log.0", 1, "tiny"
+    )
     assert bench_local.data_paths("naive", model, ckpt, plain) == [model]
     assert bench_local.data_paths("patched", model, ckpt, plain) == [ckpt]
     assert bench_local.data_paths("stock", model, ckpt, None) == [ckpt]
     assert bench_local.data_paths("plain-criu", model, ckpt, plain) == [
         tmp_path / "images",
         tmp_path / "shm",
+        tmp_path / "log.0",
     ]
     runtime = bench_local.runtime_paths()
     import rekindle_agent

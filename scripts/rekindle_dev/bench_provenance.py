@@ -220,6 +220,8 @@ def provenance_line(doc: dict[str, Any]) -> str:
     parts = [f"commit {commit[:10]}" if commit else "commit not recorded"]
     if doc.get("dirty"):
         parts[0] += " (with uncommitted changes to the measured code)"
+    if doc.get("provenance") == RECOVERED:
+        parts[0] += f" ({RECOVERED}: the commit that last wrote this file)"
     if doc.get("date"):
         parts.append(str(doc["date"]))
     host = doc.get("host") or {}

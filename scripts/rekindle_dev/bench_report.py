@@ -47,6 +47,10 @@ SOURCES: dict[str, tuple[str, str]] = {
         "rekindle-dev bench weights --sizes 4 --trials 3 --direct --no-vllm "
         "--out docs/bench/weights/direct",
     ),
+    "weights-sizes": (
+        "weights/sizes/results.json",
+        "rekindle-dev bench weights --sizes 1,4,8 --trials 3 --out docs/bench/weights/sizes",
+    ),
     "ladder": ("ladder/results.json", "rekindle-dev bench ladder --criu-prefix DIR"),
     "mm": ("mm/results.json", "rekindle-dev bench mm"),
     "kv": ("kv/results.json", "rekindle-dev bench kv --trials 3 --turns 6 --chunk-tokens 200"),
@@ -265,9 +269,23 @@ def source_note(res: Results, name: str, rel: str | None = None) -> str:
 
 
 def cite(res: Results, name: str) -> str:
-    """A short citation for a figure: the file, and its mark unless it is current."""
+    """A short citation for a figure: the file, the load it ran under, and its mark
+    unless it is current."""
     st = res.status(name)
-    return f"`{st.path}`" + ("" if st.current else f", **{st.label}**")
+    load = load_span(res.doc(name) or {})
+    return f"`{st.path}` ({load})" + ("" if st.current else f", **{st.label}**")
+
+
+def load_span(doc: dict[str, Any]) -> str:
+    """The 1-minute load average a run recorded, at its start and end where it has both."""
+    host = doc.get("client") or doc.get("host") or doc.get("machine") or {}
+    start, end = host.get("load_avg_at_start"), host.get("load_avg_at_end")
+    end = end or host.get("load_avg")
+    if start and end:
+        return f"load average {float(start[0]):.1f} at the start, {float(end[0]):.1f} at the end"
+    if end:
+        return f"load average {float(end[0]):.1f} at the end"
+    return "load not recorded"
 
 
 def missing(name: str) -> str:
@@ -546,6 +564,7 @@ def section_local(res: Results) -> str:
     ]
     if inside:  # CRIU's own stats and log, inside the criu_restore phase
         rows += ["", "Inside `criu_restore` (CRIU's stats file and its log, median s):", *inside]
+    rows += verify_cost_rows(doc.get("verify_cost_seconds"))
     size = doc.get("checkpoint_bytes")
     return "\n".join(
         [
@@ -572,6 +591,29 @@ def section_local(res: Results) -> str:
             "",
         ]
     )
+
+
+def verify_cost_rows(cost: dict[str, Any] | None) -> list[str]:
+    """bench local --verify-cost: the restore's content check alone, per kind and cache."""
+    if not cost:
+        return []
+    kinds = list(dict.fromkeys(k.split("/")[0] for k in cost if "/" in k))
+    rows = [
+        "",
+        f"The content check alone (`--verify-cost`: the prefetcher over the checkpoint's "
+        f"{cost.get('bytes', 0) / 2**30:.2f} GiB, {cost.get('threads', '?')} threads, median s):",
+        "",
+        "| check | warm | cold |",
+        "|---|---:|---:|",
+    ]
+    for k in kinds:
+        cells = [fmt_s(cost.get(f"{k}/{c}")) for c in ("warm", "cold")]
+        rows.append(f"| {k} | {cells[0]} | {cells[1]} |")
+    return rows
+
+
+def fmt_s(v: Any) -> str:
+    return "-" if v is None else f"{float(v):.2f}"
 
 
 def residency_sentence(rows: Iterable[dict[str, Any]]) -> str:
@@ -673,7 +715,12 @@ def section_cluster(res: Results) -> str:
         [
             source_note(res, "cluster"),
             "",
-            doc.get("timing") or CLUSTER_TIMING,
+            doc.get("timing")
+            or (
+                "This file does not record what it timed; the bench at its commit did as "
+                "follows, except that it slept 2 s for the operator's pointer instead of "
+                "waiting for it. " + CLUSTER_TIMING
+            ),
             "Page cache before restore: not recorded by this benchmark (`kubectl rekindle "
             f"status` shows each pod's). {where} Date: {doc.get('date', 'not recorded')}.",
             "",
@@ -1010,12 +1057,16 @@ def section_weights(res: Results) -> str:
         " A cold row whose file was partly cached before it (the cached-before column) is "
         "not cold: the bench marks it."
     )
-    direct = ""
-    if res.doc("weights-direct") is not None:
-        direct = "\n".join(
-            ["", "#### O_DIRECT reads (staged path)", "", section_embedded(res, "weights-direct")]
+    more = [
+        (name, title)
+        for name, title in (
+            ("weights-sizes", "1, 4 and 8 GiB, and the tiny model on vLLM (copying reload)"),
+            ("weights-direct", "O_DIRECT reads (staged path)"),
         )
-    return "\n".join([cold, "", body, direct])
+        if res.doc(name) is not None
+    ]
+    extra = [f"\n#### {title}\n\n{section_embedded(res, name)}" for name, title in more]
+    return "\n".join([cold, "", body, *extra])
 
 
 def cold_read_gbps(doc: dict[str, Any] | None) -> float | None:

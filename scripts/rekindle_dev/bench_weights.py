@@ -43,7 +43,6 @@ import dataclasses
 import gc
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -634,6 +633,14 @@ def command_line(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.replot:  # redraw the table and plot from the stored runs
+        suffix = "" if args.device == "cpu" else f"-{args.device.split(':')[0]}"
+        path = Path(args.out) / f"results{suffix}.json"
+        doc = json.loads(path.read_text())
+        doc["summary"] = summarize(doc["runs"])
+        path.write_text(json.dumps(doc, indent=2) + "\n")
+        print(render(Path(args.out), doc, suffix))
+        return 0
     if getattr(args, "map", False):
         if "torch" in sys.modules:
             log("--map: set THP_MEM_ALLOC_ENABLE=1 before torch is imported (page-aligned tensors)")
@@ -693,23 +700,32 @@ def run(args: argparse.Namespace) -> int:
     }
     suffix = "" if args.device == "cpu" else f"-{args.device.split(':')[0]}"
     (out / f"results{suffix}.json").write_text(json.dumps(doc, indent=2))
+    print(render(out, doc, suffix))
+    return 0
+
+
+def render(out: Path, doc: dict[str, Any], suffix: str = "") -> str:
+    """results{suffix}.md and .png from a results document (this run's, or --replot's)."""
+    summary, host = doc["summary"], doc["host"]
+    device = host.get("device", "cpu")
     text = table(summary)
+    where = ", ".join(str(x) for x in (host.get("cpu"), f"{host.get('cpus')} CPUs") if x)
+    threads = doc.get("agent_prefetch_threads", AGENT_PREFETCH_THREADS)
     (out / f"results{suffix}.md").write_text(
-        f"`{doc['command']}` on {host['node']} ({host['cpu']}, {host['cpus']} CPUs, "
-        f"{host.get('gpu', args.device)}). {provenance_line(doc)}\n\n"
+        f"`{doc['command']}` on {host.get('node')} ({where}, {host.get('gpu', device)}). "
+        f"{provenance_line(doc)}\n\n"
         f'{cold_note(summary, host.get("disk"))} "_checked": the restore\'s BLAKE3 check '
-        f"of the dump ({AGENT_PREFETCH_THREADS} threads, the agent's prefetcher), then the "
+        f"of the dump ({threads} threads, the agent's prefetcher), then the "
         "reload; in a restore the check overlaps CRIU's restore, so that figure is its upper "
         'bound. "_verify": the reloader\'s own per-block CRC-32 instead.\n\n' + text
     )
     plot(
         summary,
         out / f"results{suffix}.png",
-        f"rekindle-dev bench weights ({args.device}, "
-        f"{host.get('gpu', platform.node())}, {os.cpu_count()} CPUs)",
+        f"rekindle-dev bench weights ({device}, "
+        f"{host.get('gpu', host.get('node'))}, {host.get('cpus')} CPUs)",
     )
-    print(text)
-    return 0
+    return text
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -731,3 +747,4 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model dir for the vLLM part (default: tiny)")
     p.add_argument("--work", default="/var/tmp/rekindle-bench-weights", help="scratch, on disk")
     p.add_argument("--out", default="docs/bench/weights")
+    p.add_argument("--replot", action="store_true", help="only redraw from OUT/results.json")

@@ -277,7 +277,13 @@ def _local_runs() -> dict[str, object]:
         "command": "rekindle-dev bench local --trials 2",
         "checkpoint_bytes": 2_000_000_000,
         "disk_floor_seconds": {"seconds": [0.8, 0.8], "median": 0.8},
-        "host": {"node": "vm", "cpus": 2, "disk": "vda (rotational per the kernel)"},
+        "host": {
+            "node": "vm",
+            "cpus": 2,
+            "disk": "vda (rotational per the kernel)",
+            "load_avg_at_start": [1.0, 1.0, 1.0],
+            "load_avg_at_end": [2.0, 1.0, 1.0],
+        },
         "summary": summary,
         "runs": runs,
     }
@@ -391,7 +397,9 @@ def test_every_figure_names_its_file_with_per_trial_values(bench_repo: Path) -> 
         "naive 31.50 s, best restore (patched-signed) 1.05 s to the first token: **30.0x** "
         "(per trial 30.0/30.0x: naive 30.00/33.00 s, restore 1.00/1.10 s)" in head
     )
-    assert "From `docs/bench/local/results.json`." in head  # current: no mark
+    # The file, the load it ran under; current, so no mark.
+    assert "From `docs/bench/local/results.json` (load average 1.0 at the start, 2.0 at" in head
+    assert "From `docs/bench/kv/results.json` (load not recorded)." in head
     assert "**STALE**" not in text.split("## Headline")[1]
     assert "(per trial 20.0/20.0x: naive 40.0/50.0 s, restore 2.00/2.50 s)" in head
     assert "first token answered through the Service, asked once the pod is Ready" in head
@@ -400,13 +408,13 @@ def test_every_figure_names_its_file_with_per_trial_values(bench_repo: Path) -> 
         "vLLM's own feature measured against vLLM's own off switch (`--mm-processor-cache-gb 0`)"
         ": the shm cache the operator turns on gives 1.28x the throughput of off (per trial "
         "1.50/1.10x), and 1.10x that of vLLM's default LRU cache (per trial 1.20/1.00x); LRU "
-        "against off: 1.17x. From `docs/bench/mm/results.json`." in head
+        "against off: 1.17x. From `docs/bench/mm/results.json` (load not recorded)." in head
     )
     assert (
         "vLLM's own automatic prefix caching measured against vLLM's own off switch "
         "(`--no-enable-prefix-caching`)" in head
     )
-    assert "**3.0x** (per trial 4.0/2.5x). From `docs/bench/kv/results.json`." in head
+    assert "**3.0x** (per trial 4.0/2.5x). From `docs/bench/kv/results.json`" in head
     # Reload with and without the check; the "cold" row that was cached is left out.
     assert "18.00 GB/s without the dump's BLAKE3 check, 3.40 GB/s with it" in head
     assert "cold (guest page cache dropped)" not in head
@@ -430,7 +438,7 @@ def test_changed_code_marks_its_results_stale_everywhere_they_are_cited(bench_re
     repo = bench_repo.parent.parent
     (repo / "src" / "measured.py").write_text("v = 2\n")
     text = bench_report.report(bench_repo, "x")
-    assert "From `docs/bench/kv/results.json`, **STALE**." in text
+    assert "From `docs/bench/kv/results.json` (load not recorded), **STALE**." in text
     assert "measured code has uncommitted changes now: src/measured.py" in text
     assert "5 results files; 5 not current" in text
     _git(repo, "commit", "-q", "-am", "change")

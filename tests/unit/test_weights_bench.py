@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
+from rekindle_dev.testenv import require
 
-pytest.importorskip("torch")
-
-from rekindle_dev import bench_weights as bench
-from rekindle_dev import commands as cli
+require("torch")  # the reloader is tested on real tensors: fail, never skip
+from rekindle_dev import bench_weights as bench  # noqa: E402
+from rekindle_dev import commands as cli  # noqa: E402
 
 
 def test_summary_ratios_and_table() -> None:

@@ -16,6 +16,12 @@ listens again on the ephemeral ports it had (torch's and vLLM's internal
 servers), which a port-0 bind of the agent restoring it, or of any agent
 before, could hold. The agent's argv is built by the contract's agent_argv(),
 as the operator builds a pod's.
+
+stop() returns only once nothing of the agent is left: its PID namespace is
+empty (every process of the tree it booted or restored is gone, zombies
+included, so a next restore finds its PIDs free) and vLLM's port is free. It
+raises when either is not so within its deadline, rather than let the next
+agent meet what this one left.
 """
 
 from __future__ import annotations
@@ -43,19 +49,39 @@ from rekindle_dev.ports import free_port
 
 # The installed agent, run by this interpreter (the one that has the project installed).
 AGENT_COMMAND = (sys.executable, "-m", "rekindle_agent.cli", "agent")
-# A fresh PID + mount namespace with an empty, private /dev/shm; then exec the agent.
-FRESH_NS = (
-    "unshare",
-    "--pid",
-    "--fork",
-    "--mount-proc",
-    "--mount",
-    "--",
-    "sh",
-    "-c",
-    'mount -t tmpfs -o size=6g,mode=1777 shm /dev/shm && exec "$@"',
-    "sh",
-)
+# The size of the agent's private /dev/shm unless start() is told otherwise.
+DEFAULT_SHM = "6g"
+
+
+def fresh_ns_argv(shm_size: str | int = DEFAULT_SHM) -> list[str]:
+    """A fresh PID + mount namespace with an empty, private /dev/shm of shm_size (tmpfs's
+    size= syntax, or bytes), then exec "$@" (the agent): a pod with its emptyDir."""
+    mount = f'mount -t tmpfs -o size={shm_size},mode=1777 shm /dev/shm && exec "$@"'
+    return ["unshare", "--pid", "--fork", "--mount-proc", "--mount", "--", "sh", "-c", mount, "sh"]
+
+
+# How long stop() waits for the agent's PID namespace to empty and vLLM's port to free.
+STOP_DEADLINE_S = 30.0
+
+
+def pid_namespace(pid: int, link: str = "pid") -> str | None:
+    """The PID namespace (its /proc link text, e.g. "pid:[4026532]") of pid, or None if gone.
+
+    link "pid_for_children": the one pid's children get (unshare's new one).
+    """
+    try:
+        return os.readlink(f"/proc/{pid}/ns/{link}")
+    except OSError:
+        return None
+
+
+def namespace_members(ns: str) -> list[int]:
+    """Host PIDs of every process (zombies too) whose PID namespace is ns."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and pid_namespace(int(entry)) == ns:
+            out.append(int(entry))
+    return out
 
 
 class AgentProc:
@@ -204,6 +230,13 @@ class AgentProc:
             raise RuntimeError(f"stream ended without [DONE]: {raw[-200:]}")
         return text
 
+    def namespace(self) -> str | None:
+        """The agent's own PID namespace (None: not started in one, or already gone)."""
+        if self.proc.poll() is not None:
+            return None
+        ns = pid_namespace(self.proc.pid, "pid_for_children")
+        return None if ns is None or ns == pid_namespace(self.proc.pid) else ns
+
     def tail(self, n: int = 60) -> str:
         try:
             return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
@@ -211,17 +244,34 @@ class AgentProc:
             return ""
 
     def stop(self) -> None:
+        """End the agent and everything it started; return once all of it is gone.
+
+        Killing the namespace's PID 1 makes the kernel kill the rest of it, and
+        `unshare` (our child, reaped here) exits only after its child, the
+        namespace's PID 1, whose exit waits for every other process there to be
+        reaped. Both are checked rather than assumed: a process left behind
+        would hold vLLM's port or PIDs the next restore needs.
+        """
+        ns = self.namespace()
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(30)
+                self.proc.wait(STOP_DEADLINE_S)
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(30)
-        if self.vllm_port is not None:
-            # vLLM runs in its own session and may outlive its agent by a moment; the
-            # factory's next agent would refuse the port while it is still held.
-            wait_port_free("127.0.0.1", self.vllm_port, timeout=30)
+            self.proc.wait(STOP_DEADLINE_S)
+        deadline = time.monotonic() + STOP_DEADLINE_S
+        left = namespace_members(ns) if ns else []
+        while left and time.monotonic() < deadline:
+            time.sleep(0.05)
+            left = namespace_members(ns) if ns else []
+        if left:
+            raise RuntimeError(f"agent {self.log.name}: processes {left} outlived it in {ns}")
+        # With fresh_ns=False vLLM runs in its own session and may outlive its agent by a
+        # moment; the factory's next agent would refuse the port while it is still held.
+        port = self.vllm_port
+        if port is not None and not wait_port_free("127.0.0.1", port, STOP_DEADLINE_S):
+            raise RuntimeError(f"agent {self.log.name}: vLLM's port {port} still in use")
 
 
 class AgentFactory:
@@ -270,13 +320,22 @@ class AgentFactory:
         )
         return dataclasses.replace(base, **overrides)
 
-    def start(self, name: str = "agent", fresh_ns: bool = True, **overrides: Any) -> AgentProc:
-        """Launch an agent (settings: args(**overrides)); it is not Ready yet."""
+    def start(
+        self,
+        name: str = "agent",
+        fresh_ns: bool = True,
+        shm_size: str | int = DEFAULT_SHM,
+        **overrides: Any,
+    ) -> AgentProc:
+        """Launch an agent (settings: args(**overrides)); it is not Ready yet.
+
+        fresh_ns: in its own PID + mount namespace with a private /dev/shm of shm_size.
+        """
         stem = f"{name}-{len(self.started)}"
         ports_file = self.base / f"{stem}.ports.json"
         argv = agent_argv(self.args(ports_file=str(ports_file), **overrides), AGENT_COMMAND)
         if fresh_ns:
-            argv = [*FRESH_NS, *argv]
+            argv = [*fresh_ns_argv(shm_size), *argv]
         proc = AgentProc(argv, self.base / f"{stem}.log", ports_file, self.token, self.env)
         proc.vllm_port = int(overrides.get("vllm_port", self.vllm_port))
         key_file = overrides.get("api_key_file")
@@ -286,5 +345,12 @@ class AgentFactory:
         return proc
 
     def stop_all(self) -> None:
+        """Stop every agent started here (each is tried); the first failure is raised."""
+        errors = []
         for a in self.started:
-            a.stop()
+            try:
+                a.stop()
+            except Exception as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]

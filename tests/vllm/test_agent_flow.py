@@ -1,17 +1,21 @@
 """The agent against a real vLLM CPU server and real CRIU, each agent in a fresh PID+mount ns.
 
-One boot makes the checkpoint (under load), shared by the module; restores
-then run in new namespaces with an empty /dev/shm, like new pods.
+The session's tiny checkpoint (conftest's tiny_ckpt: one boot, checkpointed
+under load) is restored in new namespaces with an empty /dev/shm, like new
+pods. A bad checkpoint is refused with its exact reason by agents with
+--restore-policy require (they go Failed at once instead of booting); one
+bad checkpoint falls back to a real boot that serves, and that booted server
+(started without the io_uring seccomp filter) then refuses a checkpoint.
 """
 
 from __future__ import annotations
 
 import json
-import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +28,7 @@ from tests.vllm.conftest import (
     PROMPTS,
     AgentFactory,
     AgentProc,
+    TinyCheckpoint,
     edit_manifest,
     shadow_checkpoint,
 )
@@ -35,7 +40,7 @@ def completions(agent: AgentProc) -> list[str]:
     return [agent.complete(p) for p in PROMPTS]
 
 
-def vllm_lines_with(agent: AgentProc, text: str, timeout: float = 10) -> list[str]:
+def vllm_lines_with(agent: AgentProc, text: str, timeout: float = 30) -> list[str]:
     """The agent's output lines tagged as vLLM's that contain text (waits for them)."""
     deadline = time.monotonic() + timeout
     while True:
@@ -46,99 +51,46 @@ def vllm_lines_with(agent: AgentProc, text: str, timeout: float = 10) -> list[st
         time.sleep(0.2)
 
 
-class Shared:
-    ckpt: Path
-    manifest: dict[str, Any]
-    before: list[str]
-    after_verify: list[str]
-    outcomes: list[tuple[str, Any]]
-    refused_headers: list[str]
-    status: dict[str, Any]  # the booted agent's status after its checkpoint
+# -- the checkpoint the session's boot made under load --------------------------------------
 
 
-def _load(agent: AgentProc, stop: threading.Event, outcomes: list[tuple[str, Any]], i: int) -> None:
-    """Keep sending requests until told to stop; record each outcome."""
-    n = 0
-    while not stop.is_set():
-        n += 1
-        try:
-            text = agent.complete(f"The river {i} {n}", max_tokens=24, stream=(n % 2 == 0))
-            outcomes.append(("ok", text))
-        except urllib.error.HTTPError as e:
-            outcomes.append((f"http {e.code}", e.headers.get("Retry-After")))
-            time.sleep(0.2)
-        except Exception as e:
-            outcomes.append(("error", repr(e)))
-
-
-@pytest.fixture(scope="module")
-def shared(agent_factory: AgentFactory) -> Iterator[Shared]:
-    s = Shared()
-    agent = agent_factory.start(name="boot")
-    try:
-        st = agent.wait_ready(600)
-        assert st.origin == "booted"
-        s.before = completions(agent)
-        stop = threading.Event()
-        s.outcomes = []
-        workers = [
-            threading.Thread(target=_load, args=(agent, stop, s.outcomes, i)) for i in range(3)
-        ]
-        for w in workers:
-            w.start()
-        time.sleep(1.5)  # requests are in flight when the checkpoint starts
-        s.ckpt = agent_factory.checkpoints / "c1"
-        s.manifest = dict(agent.client.checkpoint(str(s.ckpt), timeout=900))
-        time.sleep(1.0)
-        stop.set()
-        for w in workers:
-            w.join(180)
-        st = agent.wait_ready(60)
-        assert st.origin == "restored", st.raw
-        assert st.timings["checkpoint"]["criu_dump"] > 0
-        s.status = st.raw
-        s.after_verify = completions(agent)
-    except BaseException:
-        print(agent.tail(200))
-        raise
-    finally:
-        agent.stop()
-    yield s
-
-
-def test_checkpoint_manifest_and_verification(shared: Shared) -> None:
-    man = shared.manifest
+def test_checkpoint_manifest_and_verification(tiny_ckpt: TinyCheckpoint) -> None:
+    man = tiny_ckpt.manifest
     assert man["format"] == 1
-    assert (shared.ckpt / "verified").is_file()
-    assert shared.ckpt.stat().st_mode & 0o777 == 0o700
+    assert (tiny_ckpt.path / "verified").is_file()
+    assert tiny_ckpt.path.stat().st_mode & 0o777 == 0o700
     paths = {f["path"] for f in man["files"]}
     assert any(p.startswith("images/pages-") for p in paths)
     assert any(p.startswith("shm/") for p in paths), "vLLM's /dev/shm files were not saved"
     assert man["fingerprint"]["model_digest"] and man["fingerprint"]["vllm"]
     assert man["criu"]["version"]
     assert man["timings"]["criu_dump"] > 0
-    on_disk = json.loads((shared.ckpt / "manifest.json").read_text())
+    assert tiny_ckpt.status["timings"]["checkpoint"]["criu_dump"] > 0
+    on_disk = json.loads((tiny_ckpt.path / "manifest.json").read_text())
     assert on_disk["verified"]["restore_seconds"]["total"] > 0
     # The verification restore serves the same greedy completions as before the dump.
-    assert shared.after_verify == shared.before
+    assert tiny_ckpt.after_verify == tiny_ckpt.before
     # ... and it copied the memory, so this pod can be checkpointed again.
-    assert shared.status["restore_memory"]["path"] == "copy"
-    assert shared.status["restore_memory"]["why"].startswith("proving a new checkpoint")
+    assert tiny_ckpt.status["restore_memory"]["path"] == "copy"
+    assert tiny_ckpt.status["restore_memory"]["why"].startswith("proving a new checkpoint")
 
 
-def test_checkpoint_records_the_trees_facts_and_protects_its_pages(shared: Shared) -> None:
+def test_checkpoint_records_the_trees_facts_and_protects_its_pages(
+    tiny_ckpt: TinyCheckpoint,
+) -> None:
     """What the restore's mmap decision reads: vLLM on glibc malloc, no userfaultfd."""
-    facts = shared.manifest["mmap"]
+    facts = tiny_ckpt.manifest["mmap"]
     assert facts["allocators"] == [] and facts["userfaultfd_pids"] == []
     assert 100 < facts["max_vmas"] < facts["max_map_count"]
     assert facts["overcommit_memory"] in (0, 1)
-    pages = sorted((shared.ckpt / "images").glob("pages-*.img"))
-    probe = shared.ckpt.parent / "immutable-probe"
+    pages = sorted((tiny_ckpt.path / "images").glob("pages-*.img"))
+    probe = tiny_ckpt.path.parent / "immutable-probe"
     probe.write_bytes(b"x")
     supported = immutable.set_immutable(probe)
     if supported:
         immutable.set_immutable(probe, False)
-    protection = shared.status["last_checkpoint"]["images_protection"]
+    probe.unlink()
+    protection = tiny_ckpt.status["last_checkpoint"]["images_protection"]
     if supported:
         assert protection == "immutable"
         assert pages and all(immutable.is_immutable(p) for p in pages)
@@ -148,104 +100,120 @@ def test_checkpoint_records_the_trees_facts_and_protects_its_pages(shared: Share
         assert protection.startswith("read-only: ")
 
 
-def test_no_request_lost_during_checkpoint(shared: Shared) -> None:
-    kinds = {k for k, _ in shared.outcomes}
-    errors = [o for o in shared.outcomes if o[0] not in ("ok", "http 503")]
+def test_no_request_lost_during_checkpoint(tiny_ckpt: TinyCheckpoint) -> None:
+    outcomes = tiny_ckpt.outcomes
+    sent, answered = tiny_ckpt.window
+    errors = [o for o in outcomes if o.kind not in ("ok", "http 503")]
     assert not errors, errors[:5]
-    assert "ok" in kinds
-    refused = [v for k, v in shared.outcomes if k == "http 503"]
+    refused = [o for o in outcomes if o.kind == "http 503"]
     assert refused, "no request arrived while draining: the test did not exercise refusal"
-    assert all(r for r in refused), "a 503 without Retry-After"
+    assert all(o.value for o in refused), "a 503 without Retry-After"
+    # Refused only while the checkpoint ran; every client served before it and after it.
+    assert all(o.done >= sent and o.sent <= answered for o in refused), (sent, answered)
+    workers = {o.worker for o in outcomes}
+    assert {o.worker for o in outcomes if o.kind == "ok" and o.done < sent} == workers
+    assert {o.worker for o in outcomes if o.kind == "ok" and o.sent > answered} == workers
 
 
-def test_restore_in_new_namespace_twice(shared: Shared, agent_factory: AgentFactory) -> None:
-    """Twice from one checkpoint: the mmap restore (if this CRIU has it), then the copying one."""
-    has_mmap = criu.probe(str(agent_factory.criu)).mmap_restore
-    variants: list[dict[str, Any]] = [
-        {"mmap_restore": "auto"},
-        {"mmap_restore": "off", "prefetch": False},
-    ]
-    for attempt, settings in enumerate(variants):
-        agent = agent_factory.start(
-            name=f"restore{attempt}", checkpoint=str(shared.ckpt), **settings
-        )
-        try:
-            st = agent.wait_ready(300)
-            assert st.origin == "restored", (st.raw, agent.tail(100))
-            assert st.last_fallback is None
-            assert st.raw["restored_with_mmap"] == (has_mmap and attempt == 0)
-            # The checkpoint is read-only inside the "pod" (its own mount namespace).
-            assert st.security["checkpoint_mount"] == "read-only", st.raw
-            assert mounts.is_read_only_mount(shared.ckpt, Path(f"/proc/{agent.proc.pid}/mountinfo"))
-            assert not mounts.is_read_only_mount(shared.ckpt)  # the host's view is unchanged
-            memory = st.raw["restore_memory"]
-            assert memory["path"] == ("mmap" if st.raw["restored_with_mmap"] else "copy")
-            if attempt == 1:
-                assert memory["why"] == "--mmap-restore off"
-            elif has_mmap:
-                assert "no jemalloc/tcmalloc/mimalloc" in memory["why"], memory
-            assert completions(agent) == shared.before
-            if attempt == 0:
-                # The restored tree still writes to vLLM's log (CRIU reopened it) and the
-                # agent passes it on: vLLM's own request lines, tagged, on its stdout.
-                assert vllm_lines_with(agent, "/v1/completions"), agent.tail(40)
-            restore = st.timings["restore"]
-            assert restore["criu_restore"] > 0 and restore["total"] > 0
-            # The pod-level cold start the operator's bench reports, from the agent's clock.
-            start_to_ready = st.start_to_ready_seconds()
-            assert start_to_ready is not None and start_to_ready >= restore["total"]
-        finally:
-            agent.stop()
+# -- restores in new "pods" ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mmap_restore", ["auto", "off"])
+def test_restore_in_new_namespace(
+    tiny_ckpt: TinyCheckpoint, agent_factory: AgentFactory, mmap_restore: str
+) -> None:
+    """From one checkpoint: the mmap restore of the patched CRIU, then the copying one."""
+    assert criu.probe(str(agent_factory.criu)).mmap_restore, "the patched CRIU maps"
+    mapped = mmap_restore == "auto"
+    settings: dict[str, Any] = {"mmap_restore": mmap_restore}
+    if not mapped:
+        settings["prefetch"] = False
+    agent = agent_factory.start(
+        name=f"restore-{mmap_restore}", checkpoint=str(tiny_ckpt.path), **settings
+    )
+    try:
+        st = agent.wait_ready(300)
+        assert st.origin == "restored", (st.raw, agent.tail(100))
+        assert st.last_fallback is None
+        assert st.raw["restored_with_mmap"] is mapped
+        # The checkpoint is read-only inside the "pod" (its own mount namespace).
+        assert st.security["checkpoint_mount"] == "read-only", st.raw
+        info = Path(f"/proc/{agent.proc.pid}/mountinfo")
+        assert mounts.is_read_only_mount(tiny_ckpt.path, info)
+        assert not mounts.is_read_only_mount(tiny_ckpt.path)  # the host's view is unchanged
+        memory = st.raw["restore_memory"]
+        if mapped:
+            assert memory["path"] == "mmap", memory
+            assert "no jemalloc/tcmalloc/mimalloc" in memory["why"], memory
+        else:
+            assert memory == {"path": "copy", "why": "--mmap-restore off"}, memory
+        assert completions(agent) == tiny_ckpt.before
+        if mapped:
+            # The restored tree still writes to vLLM's log (CRIU reopened it) and the
+            # agent passes it on: vLLM's own request lines, tagged, on its stdout.
+            assert vllm_lines_with(agent, "/v1/completions"), agent.tail(40)
+        restore = st.timings["restore"]
+        assert restore["criu_restore"] > 0 and restore["total"] > 0
+        # The pod-level cold start the operator's bench reports, from the agent's clock.
+        start_to_ready = st.start_to_ready_seconds()
+        assert start_to_ready is not None and start_to_ready >= restore["total"]
+    finally:
+        agent.stop()
 
 
 def test_mmap_refused_for_a_tree_that_needs_anonymous_memory(
-    shared: Shared, agent_factory: AgentFactory, tmp_path: Path
+    tiny_ckpt: TinyCheckpoint, agent_factory: AgentFactory, tmp_path: Path
 ) -> None:
     """A dumped tree that mapped jemalloc (as its facts say) is restored by copying."""
-    if not criu.probe(str(agent_factory.criu)).mmap_restore:
-        pytest.skip("this CRIU has no --mmap-restore")
-    ckpt = shadow_checkpoint(shared.ckpt, tmp_path / "ckpt")
+    assert criu.probe(str(agent_factory.criu)).mmap_restore, "the patched CRIU maps"
+    ckpt = shadow_checkpoint(tiny_ckpt.path, tmp_path / "ckpt")
     edit_manifest(ckpt, lambda d: d["mmap"].update(allocators=["jemalloc"]))
     agent = agent_factory.start(name="nommap", checkpoint=str(ckpt))
     try:
         st = agent.wait_ready(300)
         assert st.origin == "restored", (st.raw, agent.tail(50))
-        assert not st.raw["restored_with_mmap"]
+        assert st.raw["restored_with_mmap"] is False
         assert st.raw["restore_memory"]["path"] == "copy"
         assert "jemalloc" in st.raw["restore_memory"]["why"]
-        assert completions(agent) == shared.before
+        assert completions(agent) == tiny_ckpt.before
     finally:
         agent.stop()
 
 
-def test_checkpoint_of_a_restored_server(shared: Shared, agent_factory: AgentFactory) -> None:
+def test_checkpoint_of_a_restored_server(
+    tiny_ckpt: TinyCheckpoint, agent_factory: AgentFactory
+) -> None:
     """A restored (mmap-restored, with the patched CRIU) vLLM checkpoints again, self-contained."""
-    agent = agent_factory.start(name="redump", checkpoint=str(shared.ckpt))
-    second = agent_factory.checkpoints / "c2"
+    first = tiny_ckpt.path
+    agent = agent_factory.start(name="redump", checkpoint=str(first))
+    second = agent_factory.checkpoints / "redump"
     try:
-        agent.wait_ready(300)
+        assert agent.wait_ready(300).raw["restored_with_mmap"] is True
         man = agent.client.checkpoint(str(second), timeout=900)
-        assert man["fingerprint"] == shared.manifest["fingerprint"]
-        assert completions(agent) == shared.before
+        assert man["fingerprint"] == tiny_ckpt.manifest["fingerprint"]
+        assert completions(agent) == tiny_ckpt.before
     finally:
         agent.stop()
-    # The new checkpoint must not lean on the first one's pages images: hide them.
-    away = shared.ckpt.with_name(shared.ckpt.name + ".away")
-    shared.ckpt.rename(away)
     try:
-        agent = agent_factory.start(name="from-redump", checkpoint=str(second))
+        # The new checkpoint must not lean on the first one's pages images: hide them.
+        away = first.with_name(first.name + ".away")
+        first.rename(away)
         try:
-            st = agent.wait_ready(300)
-            assert st.origin == "restored" and st.checkpoint == str(second), st.raw
-            assert completions(agent) == shared.before
+            agent = agent_factory.start(name="from-redump", checkpoint=str(second))
+            try:
+                st = agent.wait_ready(300)
+                assert st.origin == "restored" and st.checkpoint == str(second), st.raw
+                assert completions(agent) == tiny_ckpt.before
+            finally:
+                agent.stop()
         finally:
-            agent.stop()
+            away.rename(first)
     finally:
-        away.rename(shared.ckpt)
+        immutable.remove_tree(second)
 
 
-def test_api_needs_token(shared: Shared, agent_factory: AgentFactory) -> None:
-    agent = agent_factory.start(name="auth", checkpoint=str(shared.ckpt))
+def test_api_needs_token(tiny_ckpt: TinyCheckpoint, agent_factory: AgentFactory) -> None:
+    agent = agent_factory.start(name="auth", checkpoint=str(tiny_ckpt.path))
     try:
         agent.wait_ready(300)
         for path, method, body in (
@@ -278,26 +246,29 @@ def test_api_needs_token(shared: Shared, agent_factory: AgentFactory) -> None:
         agent.stop()
 
 
+# -- bad checkpoints ---------------------------------------------------------------------------
+
+
 def _smallest_pages(ckpt: Path) -> Path:
     pages = [p for p in (ckpt / "images").glob("pages-*.img") if p.stat().st_size > 0]
     return min(pages, key=lambda p: p.stat().st_size)
 
 
-def _corrupt_pages(ckpt: Path) -> None:
-    target = _smallest_pages(ckpt)
-    data = bytearray(target.read_bytes())  # resolves the symlink: a private copy
+def _flip_a_byte(target: Path) -> None:
+    """Replace a shadow copy's symlink by a private copy with one byte changed."""
+    data = bytearray(target.read_bytes())  # resolves the symlink
     data[len(data) // 2] ^= 0xFF
     target.unlink()
     target.write_bytes(bytes(data))
+
+
+def _corrupt_pages(ckpt: Path) -> None:
+    _flip_a_byte(_smallest_pages(ckpt))
 
 
 def _corrupt_weights(ckpt: Path) -> None:
     """Checked after the tree resumed (only the reload reads it): the running tree is killed."""
-    target = max((ckpt / "weights").glob("*.bin"), key=lambda p: p.stat().st_size)
-    data = bytearray(target.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    target.unlink()
-    target.write_bytes(bytes(data))
+    _flip_a_byte(max((ckpt / "weights").glob("*.bin"), key=lambda p: p.stat().st_size))
 
 
 def _remove_core(ckpt: Path) -> None:
@@ -315,40 +286,102 @@ def _other_vllm(ckpt: Path) -> None:
     ("damage", "reason"),
     [
         (_corrupt_pages, "checksum_mismatch"),
-        (_corrupt_weights, "checksum_mismatch"),
         (_remove_core, "file_missing"),
         (_other_vllm, "fingerprint_mismatch"),
     ],
 )
-def test_bad_checkpoint_falls_back_to_boot(
-    shared: Shared, agent_factory: AgentFactory, tmp_path: Path, damage: Any, reason: str
+def test_bad_checkpoint_is_refused_with_its_reason(
+    tiny_ckpt: TinyCheckpoint,
+    agent_factory: AgentFactory,
+    tmp_path: Path,
+    damage: Callable[[Path], None],
+    reason: str,
 ) -> None:
-    ckpt = shadow_checkpoint(shared.ckpt, tmp_path / "ckpt")
+    """--restore-policy require: the agent goes Failed with the reason instead of booting
+    (what it would fall back to is test_bad_checkpoint_falls_back_to_a_boot_that_serves)."""
+    ckpt = shadow_checkpoint(tiny_ckpt.path, tmp_path / "ckpt")
     damage(ckpt)
-    agent = agent_factory.start(name=f"fallback-{reason}", checkpoint=str(ckpt))
+    agent = agent_factory.start(
+        name=f"refused-{reason}", checkpoint=str(ckpt), restore_policy="require"
+    )
+    try:
+        st = agent.wait_state(("Failed", "Ready"), 300)
+    finally:
+        agent.stop()
+    assert st.state == "Failed", (st.raw, agent.tail(50))
+    assert st.last_fallback is not None and st.last_fallback["reason"] == reason, st.raw
+    assert st.message.startswith(f"restore from {ckpt} failed"), st.message
+    assert st.origin == "none" and st.raw["vllm_pid"] is None, st.raw  # nothing was booted
+
+
+@dataclass
+class Fallback:
+    """A bad checkpoint's agent: what it said after falling back, then after a checkpoint."""
+
+    status: dict[str, Any]
+    served: list[str]
+    refusal: AgentError
+    status_after: dict[str, Any]
+    served_after: list[str]
+    target: Path
+
+
+def _io_uring_enabled() -> None:
+    mode = Path("/proc/sys/kernel/io_uring_disabled")
+    if mode.exists() and mode.read_text().strip() != "0":
+        pytest.fail(
+            f"kernel.io_uring_disabled={mode.read_text().strip()}: uvloop cannot open io_uring, "
+            "so the agent's refusal of a tree that holds one cannot be shown; "
+            "run with `sysctl kernel.io_uring_disabled=0`"
+        )
+
+
+@pytest.fixture(scope="module")
+def fallback(
+    tiny_ckpt: TinyCheckpoint, agent_factory: AgentFactory, tmp_path_factory: pytest.TempPathFactory
+) -> Fallback:
+    """The weight dump is checked after the tree resumed: the restored tree is killed and
+    vLLM boots (the one real fallback boot). The agent runs without the io_uring seccomp
+    filter, so the booted vLLM's uvloop opens io_uring, and a checkpoint is then refused."""
+    _io_uring_enabled()
+    ckpt = shadow_checkpoint(tiny_ckpt.path, tmp_path_factory.mktemp("fallback") / "ckpt")
+    _corrupt_weights(ckpt)
+    target = agent_factory.checkpoints / "refused"
+    agent = agent_factory.start(name="fallback", checkpoint=str(ckpt), seccomp_io_uring=False)
     try:
         st = agent.wait_ready(600)
-        assert st.origin == "booted", st.raw
-        assert st.last_fallback is not None and st.last_fallback["reason"] == reason, st.raw
-        assert completions(agent) == shared.before
-    finally:
-        agent.stop()
-
-
-def test_failed_checkpoint_keeps_serving(shared: Shared, agent_factory: AgentFactory) -> None:
-    """Without the seccomp filter uvloop opens io_uring: the checkpoint must refuse with the
-    fix named, put the released weights back, and keep serving the same completions."""
-    agent = agent_factory.start(name="no-seccomp", seccomp_io_uring=False)
-    target = agent_factory.checkpoints / "refused"
-    try:
-        agent.wait_ready(600)
+        served = completions(agent)
         with pytest.raises(AgentError) as e:
             agent.client.checkpoint(str(target), timeout=600)
-        assert e.value.status == 500
-        assert "io_uring" in e.value.body and "seccomp" in e.value.body
-        st = agent.wait_ready(60)
-        assert st.origin == "booted" and st.raw["last_checkpoint"]["ok"] is False
-        assert completions(agent) == shared.before
-        assert not (target / "manifest.json").exists()
+        after = agent.wait_ready(60)
+        return Fallback(st.raw, served, e.value, after.raw, completions(agent), target)
+    except BaseException:
+        print(agent.tail(200))
+        raise
     finally:
         agent.stop()
+
+
+def test_bad_checkpoint_falls_back_to_a_boot_that_serves(
+    fallback: Fallback, tiny_ckpt: TinyCheckpoint
+) -> None:
+    st = fallback.status
+    assert st["origin"] == "booted", st
+    assert st["last_fallback"] is not None, st
+    assert st["last_fallback"]["reason"] == "checksum_mismatch", st
+    assert fallback.served == tiny_ckpt.before
+
+
+def test_failed_checkpoint_keeps_serving(fallback: Fallback, tiny_ckpt: TinyCheckpoint) -> None:
+    """Without the seccomp filter uvloop opens io_uring: the checkpoint must refuse with the
+    fix named, put the released weights back, and keep serving the same completions."""
+    e = fallback.refusal
+    assert e.status == 500
+    assert "io_uring" in e.body and "seccomp" in e.body
+    assert json.loads(e.body)["reason"] == "io_uring", e.body
+    st = fallback.status_after
+    assert st["origin"] == "booted" and st["last_checkpoint"]["ok"] is False, st
+    assert st["last_checkpoint"]["reason"] == "io_uring", st
+    assert st["vllm_pid"] == fallback.status["vllm_pid"], st  # the same tree, no reboot
+    assert fallback.served_after == tiny_ckpt.before
+    assert not (fallback.target / "manifest.json").exists()

@@ -227,10 +227,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     work = Path(tempfile.mkdtemp(prefix="bench-kdat-", dir=args.work))
     started, load_start = time.time(), os.getloadavg()
-    runs = {"small": small_trials(binary, args.trials, work / "small")}
-    runs["agent"] = (
-        agent_trials(prefix, args.agent_trials, work / "agent") if args.agent_trials else []
-    )
+    try:
+        runs = {"small": small_trials(binary, args.trials, work / "small")}
+        runs["agent"] = (
+            agent_trials(prefix, args.agent_trials, work / "agent") if args.agent_trials else []
+        )
+    finally:
+        remove_tree(work)  # the images CRIU wrote (a checkpoint's may be immutable)
     cmd = f"rekindle-dev bench kdat --criu-prefix {args.criu_prefix} "
     cmd += f"--trials {args.trials} --agent-trials {args.agent_trials} --out {args.out}"
     doc = {

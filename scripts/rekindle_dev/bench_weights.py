@@ -545,7 +545,9 @@ COLD_MAX_CACHED = 0.01
 
 def cold_note(summary: dict[str, Any], disk: str | None) -> str:
     """What "cold" means in this run: the guest's page cache only, and how fast the
-    cold read of the dump was (the host may cache the virtual disk)."""
+    cold read of the dump was (the host may cache the virtual disk); "" without cold rows."""
+    if not any("cold" in caches for caches in summary.values()):
+        return ""
     text = (
         'Cold: the guest\'s page cache dropped before each run ("cached before" shows what '
         "was left; above 1% the row is marked NOT cold); the host may still cache the virtual "

@@ -325,8 +325,22 @@ class Replica:
         }
 
     def stop(self) -> None:
-        self.agent.stop()
-        self.memcg.remove()
+        try:
+            self.agent.stop()
+        finally:
+            self.memcg.remove()
+
+
+def stop_all(reps: Sequence[Replica]) -> None:
+    """Stop every replica (each is tried); the first failure is raised."""
+    errors: list[Exception] = []
+    for r in reps:
+        try:
+            r.stop()
+        except Exception as e:
+            errors.append(e)
+    if errors:
+        raise errors[0]
 
 
 def launch(factory: AgentFactory, name: str, memcg: Memcg, work: Path, **overrides: Any) -> Replica:
@@ -473,8 +487,7 @@ def one_group(s: Setup, n: int, mode: str, cache: str, tag: str) -> dict[str, An
         after = read_node_memory()
         done = [r.measure() for r in reps]
     finally:
-        for r in reps:
-            r.stop()
+        stop_all(reps)
     return {
         "mode": mode,
         "cache": cache,

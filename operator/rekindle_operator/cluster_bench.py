@@ -158,14 +158,26 @@ def wait_pointer(kube: Kube, ns: str, name: str, restore: bool, timeout: float =
     """Until the operator has pointed the restore ConfigMap at the checkpoint (restore)
     or away from it (naive): a pod started before would take the other arm's path."""
     deadline = time.monotonic() + timeout
-    while True:
-        cm = kube.get("ConfigMap", ns, b.configmap_name(name)) or {}
-        if bool((cm.get("data") or {}).get("checkpoint")) == restore:
-            return
+    while not pointed(kube, ns, name, restore):
         if time.monotonic() > deadline:
             want = "at the checkpoint" if restore else "away from the checkpoint"
             raise TimeoutError(f"the operator did not point {name}'s ConfigMap {want} in time")
         time.sleep(0.2)
+
+
+def pointed(kube: Kube, ns: str, name: str, restore: bool) -> bool:
+    """Whether the restore ConfigMap says what the arm needs. A caller who may not read
+    ConfigMaps waits for the status to catch up with the spec instead: the reconcile
+    that wrote the ConfigMap (it writes it first) has then run."""
+    try:
+        cm = kube.get("ConfigMap", ns, b.configmap_name(name)) or {}
+    except KubeError as e:
+        if e.status != 403:
+            raise
+        isvc = kube.get("InferenceService", ns, name) or {}
+        seen = (isvc.get("status") or {}).get("observedGeneration", -1)
+        return bool(seen >= (isvc.get("metadata") or {}).get("generation", 0))
+    return bool((cm.get("data") or {}).get("checkpoint")) == restore
 
 
 def one_trial(

@@ -869,6 +869,68 @@ def headline_local(res: Results) -> list[str]:
     return out
 
 
+def headline_ladder(res: Results) -> list[str]:
+    """Per ladder size and cache: naive against the best restore, as a fraction, with the
+    per-trial fractions and the reload's rate with and without the dump's check."""
+    rels = [res.rel("ladder")] + [
+        f"ladder/{p.name}/results.json" for p in sorted((res.bench / "ladder").glob("*/"))
+    ]
+    out = []
+    for rel in rels:
+        doc = res.read(rel)
+        if not doc:
+            continue
+        st = res.status_of(rel)
+        where = f"`{st.path}` ({load_span(doc)})" + ("" if st.current else f", **{st.label}**")
+        for result in doc.get("results", []):
+            s = result.get("summary", {})
+            for cache in ("warm", "cold"):
+                naive = s.get(f"naive/{cache}")
+                restores = [
+                    {"variant": k.split("/")[0], **r}
+                    for k, r in s.items()
+                    if k.endswith(f"/{cache}") and not k.startswith("naive")
+                ]
+                best = min(restores, key=lambda r: r["ttft_median"], default=None)
+                if not (naive and best):
+                    continue
+                x = naive["ttft_median"] / best["ttft_median"]
+                line = (
+                    f"- Size ladder, {result['size']}, {cache} page cache (`rekindle-dev bench "
+                    f"ladder`): naive {naive['ttft_median']:.2f} s, restore "
+                    f"{best['ttft_median']:.2f} s: **1/{x:.1f}**"
+                )
+                runs = result.get("runs") or []
+                each = [1 / f for f in best.get("fraction_per_trial") or [] if f] or trial_ratios(
+                    per_trial(runs, "ttft", variant="naive", cache=cache),
+                    per_trial(runs, "ttft", variant=best["variant"], cache=cache),
+                )
+                if each:
+                    line += f" (per trial {', '.join(f'1/{v:.1f}' for v in each)})"
+                out.append(f"{line}{reload_note(best, cache)}. From {where}.")
+    return out
+
+
+def reload_note(row: dict[str, Any], cache: str) -> str:
+    """The ladder's weight reload with and without the wait for the dump's BLAKE3 check;
+    a cold trial's reload reads what the prefetcher already brought into the page cache."""
+    plain = row.get("reload_gb_per_s_median")
+    if not plain:
+        return ""
+    checked = row.get("reload_checked_gb_per_s_median")
+    if (
+        checked is None
+        and row.get("reload_checked_vs_best_read")
+        and row.get("read_best_gbps_median")
+    ):
+        checked = row["reload_checked_vs_best_read"] * row["read_best_gbps_median"]
+    text = f"; weight reload {plain:.1f} GB/s without the wait for the dump's BLAKE3 check, "
+    text += f"{checked:.1f} GB/s with it" if checked else "with it: not recorded in this file"
+    if cache == "cold":
+        text += " (the reload reads what the prefetcher had read into the page cache: not cold)"
+    return text
+
+
 def headline_cluster(res: Results) -> list[str]:
     cluster = res.doc("cluster")
     if not (cluster and {"naive", "restore"} <= set(cluster["summary"])):
@@ -906,8 +968,11 @@ def headline_weights(res: Results) -> list[str]:
             checked = methods.get("rekindle_fresh_map_checked")
             if cache == "cold" and not cold_valid(plain):
                 continue
+            runs = doc.get("runs") or []
+            plain_each = gbps_trials(runs, wset, "rekindle_fresh_map", cache)
+            checked_each = gbps_trials(runs, wset, "rekindle_fresh_map_checked", cache)
             with_check = (
-                f"{checked['gbps_median']:.2f} GB/s with it"
+                f"{checked['gbps_median']:.2f} GB/s with it{checked_each}"
                 if checked
                 else "with it: not measured in this file"
             )
@@ -915,9 +980,15 @@ def headline_weights(res: Results) -> list[str]:
             out.append(
                 f"- Weight reload into fresh memory by mapping the dump, {wset}, {label} "
                 f"(`rekindle-dev bench weights`): {plain['gbps_median']:.2f} GB/s without the "
-                f"dump's BLAKE3 check, {with_check}. From {cite(res, 'weights')}."
+                f"dump's BLAKE3 check{plain_each}, {with_check}. From {cite(res, 'weights')}."
             )
     return out
+
+
+def gbps_trials(runs: list[dict[str, Any]], wset: str, method: str, cache: str) -> str:
+    """The per-trial GB/s of one bench weights row, as " (per trial a/b/c)" ("" with one)."""
+    vals = per_trial(runs, "gbps", set=wset, method=method, cache=cache).values()
+    return f" (per trial {joined(vals)})" if len(vals) > 1 else ""
 
 
 def cold_valid(entry: dict[str, Any]) -> bool:
@@ -980,6 +1051,7 @@ def headline(res: Results | Path) -> str:
     res = res if isinstance(res, Results) else Results(res)
     out = [
         *headline_local(res),
+        *headline_ladder(res),
         *headline_cluster(res),
         *headline_weights(res),
         *headline_mm(res),

@@ -323,6 +323,29 @@ def _kv() -> dict[str, object]:
     return {"command": "rekindle-dev bench kv", "summary": summary, "runs": runs}
 
 
+def _ladder() -> dict[str, object]:
+    """The ladder's results for one size: naive and a restore, warm and cold, two trials."""
+    ttft = {("naive", "warm"): [40.0, 44.0], ("patched-signed", "warm"): [8.0, 8.0]}
+    ttft |= {("naive", "cold"): [46.0, 46.0], ("patched-signed", "cold"): [10.0, 9.2]}
+    summary: dict[str, dict[str, object]] = {
+        f"{v}/{c}": {"ttft_median": sum(x) / 2} for (v, c), x in ttft.items()
+    }
+    summary["patched-signed/warm"] |= {
+        "reload_gb_per_s_median": 18.4,
+        "reload_checked_gb_per_s_median": 3.4,
+    }
+    summary["patched-signed/cold"] |= {"reload_gb_per_s_median": 15.8}
+    runs = [
+        {"variant": v, "cache": c, "trial": t, "ttft": x}
+        for (v, c), xs in ttft.items()
+        for t, x in enumerate(xs)
+    ]
+    return {
+        "command": "rekindle-dev bench ladder --sizes 3b",
+        "results": [{"size": "3b", "summary": summary, "runs": runs}],
+    }
+
+
 def _cluster() -> dict[str, object]:
     ft = {"naive": [40.0, 50.0], "restore": [2.0, 2.5]}
     return {
@@ -348,8 +371,17 @@ def _weights() -> dict[str, object]:
     def entry(gbps: float, cached: float) -> dict[str, float]:
         return {"gbps_median": gbps, "cached_median": cached}
 
+    runs = [
+        {"set": "1GiB", "method": m, "cache": "warm", "trial": t, "gbps": g}
+        for m, gs in (
+            ("rekindle_fresh_map", [17.0, 18.0]),
+            ("rekindle_fresh_map_checked", [3.0, 3.4]),
+        )
+        for t, g in enumerate(gs)
+    ]
     return {
         "command": "rekindle-dev bench weights --sizes 1 --map",
+        "runs": runs,
         "summary": {
             "1GiB": {
                 "warm": {
@@ -383,6 +415,7 @@ def bench_repo(tmp_path: Path) -> Path:
         ("kv/results.json", _kv()),
         ("cluster/demo/bench.json", _cluster()),
         ("weights/results.json", _weights()),
+        ("ladder/3b/results.json", _ladder()),
     ):
         _write(bench, rel, {**doc, **prov})
     _git(repo, "add", "-A")
@@ -416,10 +449,22 @@ def test_every_figure_names_its_file_with_per_trial_values(bench_repo: Path) -> 
     )
     assert "**3.0x** (per trial 4.0/2.5x). From `docs/bench/kv/results.json`" in head
     # Reload with and without the check; the "cold" row that was cached is left out.
-    assert "18.00 GB/s without the dump's BLAKE3 check, 3.40 GB/s with it" in head
+    assert (
+        "18.00 GB/s without the dump's BLAKE3 check (per trial 17.00/18.00), 3.40 GB/s with it "
+        "(per trial 3.00/3.40)" in head
+    )
     assert "cold (guest page cache dropped)" not in head
     # Cold: the guest's page cache, the disk floor's speed, the kernel's rotational flag.
     assert "(the run's disk floor read 2.50 GB/s from vda (rotational per the kernel))" in head
+    # The ladder, each size: the fraction, per trial, and the reload with and without its
+    # check; a cold trial's reload is said not to be cold.
+    assert (
+        "- Size ladder, 3b, warm page cache (`rekindle-dev bench ladder`): naive 42.00 s, "
+        "restore 8.00 s: **1/5.2** (per trial 1/5.0, 1/5.5); weight reload 18.4 GB/s without "
+        "the wait for the dump's BLAKE3 check, 3.4 GB/s with it. From "
+        "`docs/bench/ladder/3b/results.json` (load not recorded)." in head
+    )
+    assert "with it: not recorded in this file (the reload reads what the prefetcher" in head
     local = text.split("## Restore paths")[1].split("\n## ")[0]
     assert "Source: `docs/bench/local/results.json` (commit " in local
     assert "| patched-signed | warm | 1.05 | 1.00/1.10 | 1.0x |" in local
@@ -430,7 +475,7 @@ def test_every_figure_names_its_file_with_per_trial_values(bench_repo: Path) -> 
     weights = text.split("## Weight reload")[1].split("\n## ")[0]
     assert "A cold read of" not in weights and "cold at 2.80 GB/s" in weights
     files = text.split("## Results files")[1].split("\n## ")[0]
-    assert "5 results files; 0 not current" in files
+    assert "6 results files; 0 not current" in files
     assert "| `docs/bench/kv/results.json` | " in files and "| current | yes |" in files
 
 
@@ -440,7 +485,7 @@ def test_changed_code_marks_its_results_stale_everywhere_they_are_cited(bench_re
     text = bench_report.report(bench_repo, "x")
     assert "From `docs/bench/kv/results.json` (load not recorded), **STALE**." in text
     assert "measured code has uncommitted changes now: src/measured.py" in text
-    assert "5 results files; 5 not current" in text
+    assert "6 results files; 6 not current" in text
     _git(repo, "commit", "-q", "-am", "change")
     text = bench_report.report(bench_repo, "x")
     assert "measured code changed since" in text and "src/measured.py" in text

@@ -1,15 +1,23 @@
 """Attacks and faults, made real against a real vLLM CPU server and real CRIU.
 
-One agent (A) boots with a signing key and an API key: the serve port's
-allowlist and key are attacked, checkpoints are sent onto a read-only volume,
-a full one, and one that fills up just after CRIU stopped vLLM; between them A
-makes one good, signed checkpoint. Copies of that checkpoint are tampered
-with (each restored by an agent with --restore-policy require, which turns
-Failed at once instead of booting, so each case costs seconds), and one
-agent (B) with another service's key refuses it and boots, then meets a CRIU
-that hangs. A third (C) restores it and meets the same CRIU past its
-watchdog. CRIU is a wrapper script around the real one that records its calls
-and misbehaves on request (its MODE file).
+One agent (A) restores the session's tiny checkpoint (conftest's tiny_ckpt; a
+copy signed here with the service's key) with a signing key and an API key:
+the serve port's allowlist and key are attacked; A makes one good, signed
+checkpoint of its own; then checkpoints are sent onto a read-only volume, a
+full one, and one that fills up just after CRIU stopped vLLM (A boots vLLM
+again). Copies of A's checkpoint are tampered with (each restored by an agent
+with --restore-policy require, which turns Failed at once instead of booting,
+so each case costs seconds), one of them restored by an agent with another
+service's key. Agent B restores A's checkpoint and meets a CRIU that hangs
+(the dump is killed and vLLM booted again); C restores it and meets the same
+CRIU past its watchdog. CRIU is a wrapper script around the real one that
+records its calls and misbehaves on request (its MODE file).
+
+The module's agents keep their checkpoints (and CRIU's kdat cache, signed with
+the key here) under a checkpoint root of their own, not the session factory's.
+A test that needs vLLM's port (shared by the factory's agents, like pods of a
+service) stops A first; a test that needs A starts it again from its good
+checkpoint if it is not running, so any test runs alone or in any order.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ import subprocess
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +36,15 @@ import pytest
 from rekindle_agent import signing
 from rekindle_contract import api
 from rekindle_contract.api import AgentError, StatusReply
+from rekindle_dev.harness import namespace_members
 
-from tests.vllm.conftest import PROMPTS, AgentFactory, AgentProc, shadow_checkpoint
+from tests.vllm.conftest import (
+    PROMPTS,
+    AgentFactory,
+    AgentProc,
+    TinyCheckpoint,
+    shadow_checkpoint,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.criu]
 
@@ -94,59 +109,118 @@ def _mount(*argv: str) -> None:
     subprocess.run(["mount", *argv], check=True)
 
 
+def _edit(ckpt: Path, change: Callable[[dict[str, Any]], None], key: Path | None) -> None:
+    """Change the manifest; re-sign it with key (None: leave the signature as it was)."""
+    path = ckpt / "manifest.json"
+    doc = json.loads(path.read_text())
+    change(doc)
+    if key is not None:
+        signing.sign(doc, signing.read_key(str(key)))
+    path.write_text(json.dumps(doc))
+
+
+@dataclass
 class Sec:
-    a: AgentProc
-    criu_a: FakeCriu
-    key1: Path
-    key2: Path
+    """The module's keys, volumes and A, the agent attacked and made to fail checkpoints."""
+
+    factory: AgentFactory
+    root: Path  # the checkpoint root of this module's agents
+    key1: Path  # this service's signing key
+    key2: Path  # another service's
     api_key: str
-    before: list[str]
-    good: Path
-    manifest: dict[str, Any]
+    api_key_file: Path
+    criu_a: FakeCriu
     vols: dict[str, Path]
+    before: list[str] = field(default_factory=list)
+    good: Path = Path()  # A's own checkpoint, signed with key1
+    manifest: dict[str, Any] = field(default_factory=dict)
+    a_status: dict[str, Any] = field(default_factory=dict)  # A's, once Ready from the seed
+    _a: AgentProc | None = None
+
+    def start_a(self, checkpoint: Path) -> AgentProc:
+        self._a = self.factory.start(
+            name="sec-a",
+            checkpoint=str(checkpoint),
+            criu=str(self.criu_a.path),
+            signing_key_file=str(self.key1),
+            api_key_file=str(self.api_key_file),
+            checkpoint_root=str(self.root),
+        )
+        st = self._a.wait_ready(300)
+        assert st.origin == "restored" and st.last_fallback is None, st.raw
+        return self._a
+
+    def a(self) -> AgentProc:
+        """A, serving: started again from its good checkpoint if a test stopped it."""
+        if self._a is None or self._a.proc.poll() is not None:
+            self.start_a(self.good)
+        assert self._a is not None
+        return self._a
+
+    def stop_a(self) -> None:
+        """For the tests that restore A's checkpoint: vLLM's port (shared, like pods') is
+        then free."""
+        if self._a is not None:
+            self._a.stop()
+            self._a = None
 
 
 @pytest.fixture(scope="module")
-def sec(agent_factory: AgentFactory) -> Iterator[Sec]:
+def sec(agent_factory: AgentFactory, tiny_ckpt: TinyCheckpoint) -> Iterator[Sec]:
     f = agent_factory
-    s = Sec()
-    s.key1 = _key(f.base, "signing-key-1", secrets.token_hex(32))
-    s.key2 = _key(f.base, "signing-key-2", secrets.token_hex(32))
-    s.api_key = "sk-" + secrets.token_hex(16)
-    api_key_file = _key(f.base, "api-key", s.api_key)
-    # The volumes exist before A starts: its mount namespace gets a copy of them.
-    s.vols = {name: f.checkpoints / name for name in ("ro", "tiny", "fill")}
+    root = f.base / "sec"
+    root.mkdir(mode=0o700)
+    key1 = _key(root, "signing-key-1", secrets.token_hex(32))
+    api_key = "sk-" + secrets.token_hex(16)
+    s = Sec(
+        factory=f,
+        root=root,
+        key1=key1,
+        key2=_key(root, "signing-key-2", secrets.token_hex(32)),
+        api_key=api_key,
+        api_key_file=_key(root, "api-key", api_key),
+        criu_a=fake_criu(root, f.criu, "a"),
+        # The volumes exist before A starts: its mount namespace gets a copy of them.
+        vols={name: root / name for name in ("ro", "tiny", "fill")},
+    )
     for p in s.vols.values():
         p.mkdir()
-    _mount("--bind", str(s.vols["ro"]), str(s.vols["ro"]))
-    _mount("-o", "remount,bind,ro", str(s.vols["ro"]))
-    _mount("-t", "tmpfs", "-o", "size=1m,mode=0700", "tiny", str(s.vols["tiny"]))
-    _mount("-t", "tmpfs", "-o", "size=3g,mode=0700", "fill", str(s.vols["fill"]))
-    s.criu_a = fake_criu(f.base, f.criu, "a")
-    s.a = f.start(
-        name="sec-a",
-        criu=str(s.criu_a.path),
-        signing_key_file=str(s.key1),
-        api_key_file=str(api_key_file),
-    )
     try:
-        st = s.a.wait_ready(600)
-        assert st.security["checkpoint_signing"] == "hmac-sha256", st.raw
-        assert st.security["serve_api_key"] is True
-        s.before = completions(s.a)
-        s.good = f.checkpoints / "sec-good"
-        s.manifest = dict(s.a.client.checkpoint(str(s.good), timeout=900))
-        assert s.manifest["signature"]["algorithm"] == "hmac-sha256"
+        _mount("--bind", str(s.vols["ro"]), str(s.vols["ro"]))
+        _mount("-o", "remount,bind,ro", str(s.vols["ro"]))
+        _mount("-t", "tmpfs", "-o", "size=1m,mode=0700", "tiny", str(s.vols["tiny"]))
+        _mount("-t", "tmpfs", "-o", "size=3g,mode=0700", "fill", str(s.vols["fill"]))
+        # The session's checkpoint, as this service would have signed it.
+        seed = shadow_checkpoint(tiny_ckpt.path, root / "seed")
+        _edit(seed, lambda d: None, key1)
+        a = s.start_a(seed)
+        s.a_status = dict(a.status().raw)
+        s.before = completions(a)
+        s.good = root / "good"
+        s.manifest = dict(a.client.checkpoint(str(s.good), timeout=900))
         yield s
     finally:
-        s.a.stop()
+        s.stop_a()
         for p in s.vols.values():
             subprocess.run(["umount", "-l", str(p)], check=False)
 
 
+def test_agent_with_a_key_signs_its_checkpoint(sec: Sec, tiny_ckpt: TinyCheckpoint) -> None:
+    """A restored a copy signed with its key; its own checkpoint is signed with it too."""
+    security = sec.a_status["security"]
+    assert security["checkpoint_signing"] == "hmac-sha256", security
+    assert security["serve_api_key"] is True, security
+    assert sec.manifest["signature"]["algorithm"] == "hmac-sha256", sec.manifest["signature"]
+    on_disk = json.loads((sec.good / "manifest.json").read_text())
+    signing.check(on_disk, signing.read_key(str(sec.key1)))  # raises if not signed by key1
+    with pytest.raises(signing.SignatureError):
+        signing.check(on_disk, signing.read_key(str(sec.key2)))
+    assert sec.before == tiny_ckpt.before[:3]
+
+
 # -- the serve port -----------------------------------------------------------------
 def test_serve_port_forwards_only_the_api_and_needs_the_key(sec: Sec) -> None:
-    a = sec.a
+    a = sec.a()
     auth = {"Authorization": f"Bearer {sec.api_key}"}
     attacks: list[tuple[str, str, object | None]] = [
         ("POST", "/collective_rpc", {"method": "rekindle_release_weights"}),
@@ -180,31 +254,38 @@ def test_serve_port_forwards_only_the_api_and_needs_the_key(sec: Sec) -> None:
 
 
 # -- checkpoints that fail ----------------------------------------------------------
-def _failed_checkpoint(sec: Sec, target: Path, reason: str) -> dict[str, Any]:
+def _failed_checkpoint(
+    sec: Sec, target: Path, reason: str
+) -> tuple[dict[str, Any], StatusReply, StatusReply]:
+    """A's checkpoint into target fails with reason; A serves the same answers after.
+    (The error's body, A's status before, A's status after.)"""
+    a = sec.a()
+    st0 = a.status()
     with pytest.raises(AgentError) as e:
-        sec.a.client.checkpoint(str(target), timeout=900)
+        a.client.checkpoint(str(target), timeout=900)
     assert e.value.status == 500, e.value.body
     body = json.loads(e.value.body)
     assert body["reason"] == reason, body
-    st = sec.a.wait_ready(600)
+    st = a.wait_ready(600)
     last = st.last_checkpoint
     assert last is not None and last["ok"] is False and last["reason"] == reason, st.raw
-    assert completions(sec.a) == sec.before
-    return body
+    assert completions(a) == sec.before
+    return body, st0, st
 
 
 def test_checkpoint_onto_a_read_only_volume(sec: Sec) -> None:
-    body = _failed_checkpoint(sec, sec.vols["ro"] / "c", "read_only")
+    body, st0, st = _failed_checkpoint(sec, sec.vols["ro"] / "c", "read_only")
     assert "Read-only file system" in body["error"]
-    assert sec.a.status().origin == "restored"  # the same tree serves on: no reboot
+    # The same tree serves on: no reboot.
+    assert (st.origin, st.raw["vllm_pid"]) == (st0.origin, st0.raw["vllm_pid"]), st.raw
 
 
 def test_checkpoint_onto_a_full_volume(sec: Sec) -> None:
     """1 MiB: the weight dump (7 MB) fails inside vLLM's workers; vLLM serves on."""
-    body = _failed_checkpoint(sec, sec.vols["tiny"] / "c", "volume_full")
+    body, st0, st = _failed_checkpoint(sec, sec.vols["tiny"] / "c", "volume_full")
     assert "No space left" in body["error"]
     assert not (sec.vols["tiny"] / "c").exists()  # the partial dump is gone
-    assert sec.a.status().origin == "restored"
+    assert (st.origin, st.raw["vllm_pid"]) == (st0.origin, st0.raw["vllm_pid"]), st.raw
 
 
 def test_volume_full_after_criu_stopped_vllm(sec: Sec) -> None:
@@ -212,30 +293,15 @@ def test_volume_full_after_criu_stopped_vllm(sec: Sec) -> None:
     target = sec.vols["fill"] / "c"
     sec.criu_a.set("fill-after")
     try:
-        body = _failed_checkpoint(sec, target, "volume_full")
+        body, st0, st = _failed_checkpoint(sec, target, "volume_full")
     finally:
         sec.criu_a.set("pass")
     assert "after CRIU stopped vLLM" in body["error"]
     assert not target.exists()  # images, weights and the fill removed
-    assert sec.a.status().origin == "booted"
+    assert st.origin == "booted" and st.raw["vllm_pid"] != st0.raw["vllm_pid"], st.raw
 
 
 # -- tampered checkpoints -----------------------------------------------------------
-def _a_done(sec: Sec) -> None:
-    """The tests below restore in new namespaces: vLLM's port (shared, like pods') must be free."""
-    sec.a.stop()
-
-
-def _edit(ckpt: Path, change: Callable[[dict[str, Any]], None], key: Path | None) -> None:
-    """Change the manifest; re-sign it with key (None: leave the signature as it was)."""
-    path = ckpt / "manifest.json"
-    doc = json.loads(path.read_text())
-    change(doc)
-    if key is not None:
-        signing.sign(doc, signing.read_key(str(key)))
-    path.write_text(json.dumps(doc))
-
-
 def _smallest_pages(ckpt: Path) -> Path:
     pages = [p for p in (ckpt / "images").glob("pages-*.img") if p.stat().st_size > 0]
     return min(pages, key=lambda p: p.stat().st_size)
@@ -250,16 +316,22 @@ def _corrupt_pages(ckpt: Path) -> None:
 
 
 def _refused(
-    f: AgentFactory, criu: FakeCriu, ckpt: Path, name: str, **settings: Any
+    sec: Sec, criu: FakeCriu, ckpt: Path, name: str, **settings: Any
 ) -> tuple[StatusReply, str]:
     """Restore with --restore-policy require: Failed at once, with the fallback's reason."""
-    agent = f.start(
-        name=name, checkpoint=str(ckpt), restore_policy="require", criu=str(criu.path), **settings
+    agent = sec.factory.start(
+        name=name,
+        checkpoint=str(ckpt),
+        restore_policy="require",
+        criu=str(criu.path),
+        checkpoint_root=str(sec.root),
+        **settings,
     )
     try:
         st = agent.wait_state(("Failed", "Ready"), 300)
         assert st.state == "Failed", (st.raw, agent.tail(50))
         assert st.last_fallback is not None, st.raw
+        assert st.origin == "none" and st.raw["vllm_pid"] is None, st.raw  # nothing booted
         return st, agent.tail(400)
     finally:
         agent.stop()
@@ -276,16 +348,16 @@ def _refused(
         ("unlisted-image", "manifest_invalid"),
         ("tampered-manifest", "signature_invalid"),
         ("unsigned-manifest", "signature_invalid"),
+        ("other-service-key", "signature_invalid"),
         ("tampered-pages-no-prefetch", "checksum_mismatch"),
         ("tampered-pages", "checksum_mismatch"),
         ("unsigned-agent-shm-dotdot", "manifest_invalid"),
     ],
 )
 def test_tampered_checkpoint_is_refused_before_use(
-    sec: Sec, agent_factory: AgentFactory, tmp_path: Path, case: str, reason: str
+    sec: Sec, tmp_path: Path, case: str, reason: str
 ) -> None:
-    _a_done(sec)
-    f = agent_factory
+    sec.stop_a()
     ckpt = shadow_checkpoint(sec.good, tmp_path / "ckpt")
     planted = Path("/tmp") / f"rekindle-pwned-{secrets.token_hex(4)}"
     settings: dict[str, Any] = {"signing_key_file": str(sec.key1)}
@@ -306,6 +378,9 @@ def test_tampered_checkpoint_is_refused_before_use(
         _edit(ckpt, lambda d: d["shm_files"][0].update(mode=0o644), None)
     elif case == "unsigned-manifest":
         _edit(ckpt, lambda d: d.pop("signature"), None)
+    elif case == "other-service-key":
+        # Untouched, but this agent has another service's key.
+        settings = {"signing_key_file": str(sec.key2)}
     elif case.startswith("tampered-pages"):
         _corrupt_pages(ckpt)
         if case.endswith("no-prefetch"):
@@ -314,11 +389,13 @@ def test_tampered_checkpoint_is_refused_before_use(
         # An agent without a key (today's deployments) still validates every path.
         _edit(ckpt, lambda d: d["shm_files"][0].update(name=f"../../..{planted}"), None)
         settings = {}
-    criu = fake_criu(tmp_path, f.criu, "t")
-    st, log = _refused(f, criu, ckpt, f"tamper-{case}", **settings)
+    criu = fake_criu(tmp_path, sec.factory.criu, "t")
+    st, log = _refused(sec, criu, ckpt, f"tamper-{case}", **settings)
     assert st.last_fallback is not None
     assert st.last_fallback["reason"] == reason, st.raw
     assert not planted.exists()
+    if case == "other-service-key":
+        assert "another key" in st.last_fallback["message"], st.last_fallback
     if case == "tampered-pages":
         # CRIU restored the tree stopped; the mismatch was found before it ever ran.
         assert criu.restores() == 1
@@ -327,31 +404,28 @@ def test_tampered_checkpoint_is_refused_before_use(
         assert criu.restores() == 0, criu.calls.read_text()
 
 
-# -- another service, a hanging CRIU, the watchdog --------------------------------
-def test_other_services_checkpoint_then_a_hanging_criu(
-    sec: Sec, agent_factory: AgentFactory
-) -> None:
-    """B has another service's key: it refuses the checkpoint and boots. Then its
-    CRIU hangs: the dump is killed after --dump-timeout and vLLM booted again."""
-    _a_done(sec)
-    f = agent_factory
-    criu = fake_criu(f.base, f.criu, "b")
+# -- a hanging CRIU, the watchdog, the good checkpoint -------------------------------
+def test_a_hanging_criu_dump_is_killed_and_vllm_booted_again(sec: Sec, tmp_path: Path) -> None:
+    """B restores the good checkpoint; then its CRIU hangs: the dump is killed after
+    --dump-timeout and vLLM booted again (a tree CRIU let go of mid-dump is not trusted)."""
+    sec.stop_a()
+    f = sec.factory
+    criu = fake_criu(tmp_path, f.criu, "b")
     b = f.start(
         name="sec-b",
         checkpoint=str(sec.good),
         criu=str(criu.path),
-        signing_key_file=str(sec.key2),
+        signing_key_file=str(sec.key1),
+        checkpoint_root=str(sec.root),
         dump_timeout=5,
     )
     try:
-        st = b.wait_ready(600)
-        assert st.origin == "booted", st.raw
-        assert st.last_fallback is not None and st.last_fallback["reason"] == "signature_invalid"
-        assert "another key" in st.last_fallback["message"]
-        assert criu.restores() == 0
+        st = b.wait_ready(300)
+        assert st.origin == "restored" and st.last_fallback is None, st.raw
+        assert criu.restores() == 1
         assert completions(b) == sec.before
         criu.set("hang")
-        target = f.checkpoints / "sec-hang"
+        target = sec.root / "hang"
         with pytest.raises(AgentError) as e:
             b.client.checkpoint(str(target), timeout=900)
         body = json.loads(e.value.body)
@@ -366,16 +440,31 @@ def test_other_services_checkpoint_then_a_hanging_criu(
         b.stop()
 
 
-def test_watchdog_ends_a_stuck_checkpoint(sec: Sec, agent_factory: AgentFactory) -> None:
-    _a_done(sec)
-    f = agent_factory
-    criu = fake_criu(f.base, f.criu, "c")
+def _hanging_criu_in(agent: AgentProc) -> list[int]:
+    """PIDs of the fake CRIU's `sleep 3600` inside the agent's PID namespace."""
+    ns = agent.namespace()
+    out = []
+    for pid in namespace_members(ns) if ns else []:
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv[:2] == [b"sleep", b"3600"]:
+            out.append(pid)
+    return out
+
+
+def test_watchdog_ends_a_stuck_checkpoint(sec: Sec, tmp_path: Path) -> None:
+    sec.stop_a()
+    f = sec.factory
+    criu = fake_criu(tmp_path, f.criu, "c")
     c = f.start(
         name="sec-c",
         checkpoint=str(sec.good),
         restore_policy="require",
         criu=str(criu.path),
         signing_key_file=str(sec.key1),
+        checkpoint_root=str(sec.root),
         drain_timeout=2,
         checkpoint_timeout=8,
     )
@@ -383,7 +472,7 @@ def test_watchdog_ends_a_stuck_checkpoint(sec: Sec, agent_factory: AgentFactory)
         st = c.wait_ready(300)
         assert st.origin == "restored", st.raw
         criu.set("hang")
-        target = f.checkpoints / "sec-stuck"
+        target = sec.root / "stuck"
         with pytest.raises(AgentError) as e:
             c.client.checkpoint(str(target), timeout=300)
         body = json.loads(e.value.body)
@@ -395,21 +484,25 @@ def test_watchdog_ends_a_stuck_checkpoint(sec: Sec, agent_factory: AgentFactory)
         with pytest.raises(urllib.error.HTTPError) as h:
             urllib.request.urlopen(c.admin_url + api.PATH_HEALTHZ, timeout=10)
         assert h.value.code == 503  # the liveness probe restarts the container
-        ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
-        assert "sleep 3600" not in ps  # the hanging CRIU was killed
+        assert c.namespace() is not None
+        assert _hanging_criu_in(c) == []  # the hanging CRIU was killed
     finally:
         c.stop()
 
 
-def test_signed_checkpoint_restores(sec: Sec, agent_factory: AgentFactory) -> None:
+def test_signed_checkpoint_restores(sec: Sec) -> None:
     """The good one, untouched, restores with the key (the mmap restore, prefetch on)."""
-    _a_done(sec)
-    agent = agent_factory.start(
-        name="sec-good", checkpoint=str(sec.good), signing_key_file=str(sec.key1)
+    sec.stop_a()
+    agent = sec.factory.start(
+        name="sec-good",
+        checkpoint=str(sec.good),
+        signing_key_file=str(sec.key1),
+        checkpoint_root=str(sec.root),
     )
     try:
         st = agent.wait_ready(300)
         assert st.origin == "restored" and st.last_fallback is None, st.raw
+        assert st.raw["restored_with_mmap"] is True, st.raw
         assert completions(agent) == sec.before
         assert "resumed" in agent.tail(400)
     finally:

@@ -1,15 +1,16 @@
 """`rekindle-dev bench report`: every benchmark's results in one page, docs/benchmarks.md.
 
-Full mode runs the quick parts first (a naive boot of the tiny model whose vLLM
-log is split into phases, and whatever --run names: warm, criu, weights,
-local), then collects; --collect only collects what docs/bench/ holds. Every
-figure names the results file it came from, with the commit that file was made
-from; a file whose commit is missing, or whose measured code changed since
-(bench_provenance), is marked STALE where it is cited and in the list of
-results files at the end (--strict refuses to write the report instead).
-Headline ratios come with their per-trial values; "cold" says what it means on
-the machine that measured it; a vLLM feature measured against its own off
-switch says so in the same sentence. Sections whose results are missing say
+Full mode runs the quick part first (the warming bench on a synthetic
+checkpoint), or whatever --run names (naive: boots of the tiny model split into
+phases by vLLM's log, which bench local's own naive boots now record; warm,
+criu, weights, local), then collects; --collect only collects what docs/bench/
+holds. Every figure names the results file it came from, with the commit that
+file was made from; a file whose commit is missing, or whose measured code
+changed since (bench_provenance), is marked STALE where it is cited and in the
+list of results files at the end (--strict refuses to write the report
+instead). Headline ratios come with their per-trial values; "cold" says what it
+means on the machine that measured it; a vLLM feature measured against its own
+off switch says so in the same sentence. Sections whose results are missing say
 which command makes them.
 """
 
@@ -70,7 +71,7 @@ SOURCES: dict[str, tuple[str, str]] = {
 }
 # Older places of the same results, read where the current one is absent.
 FALLBACK: dict[str, tuple[str, ...]] = {"density": ("criu/bench-density.json",)}
-QUICK = ("naive", "warm")
+QUICK = ("warm",)
 
 
 def log(msg: str) -> None:
@@ -154,7 +155,8 @@ def run_part(part: str, args: argparse.Namespace, out: Path) -> None:
         return
     dev = [sys.executable, "-m", "rekindle_dev.commands", "bench"]
     commands: dict[str, list[str]] = {
-        "warm": [*dev, "warm", "--trials", str(args.trials), "--out", str(out / "warm")],
+        # a synthetic checkpoint: warm/ holds the run on a real one (--dir)
+        "warm": [*dev, "warm", "--trials", str(args.trials), "--out", str(out / "warm/synthetic")],
         "weights": [*dev, "weights", "--sizes", "1", "--trials", str(args.trials)],
         "local": [
             *dev,

@@ -166,3 +166,38 @@ def test_arms_order_rotates_per_trial() -> None:
     assert bench_local.rotated(order, 0) == order
     assert bench_local.rotated(order, 1) == ["plain-criu", "patched", "naive"]
     assert bench_local.rotated(order, 3) == order
+
+
+def _phased(variant: str, ttft: float, **phases: float) -> dict[str, Any]:
+    return {"variant": variant, "cache": "warm", "ttft": ttft, "phases": phases, "mmap": False}
+
+
+PHASED = [
+    _phased("naive", 30.0, agent_start=0.5, vllm_boot=29.0, first_request=0.5),
+    _phased("naive", 34.0, agent_start=0.5, vllm_boot=33.0, first_request=0.5),
+    _phased("naive", 31.0, agent_start=0.5, vllm_boot=30.0, first_request=0.5),
+    _phased("patched", 1.5, agent_start=0.5, criu_restore=0.9, first_request=0.1),
+    _phased("patched", 1.4, agent_start=0.4, criu_restore=0.9, first_request=0.1),
+    _phased("patched", 2.0, agent_start=0.5, criu_restore=1.4, first_request=0.1),
+]
+
+
+def test_summary_medians_spread_and_speedup() -> None:
+    s = bench_local.summarize(PHASED)
+    naive, patched = s["naive/warm"], s["patched/warm"]
+    assert (naive["ttft_median"], naive["ttft_min"], naive["ttft_max"]) == (31.0, 30.0, 34.0)
+    assert patched["ttft_median"] == 1.5
+    assert abs(patched["speedup_vs_naive"] - 31.0 / 1.5) < 1e-9
+    assert patched["phases_median"] == {
+        "agent_start": 0.5,
+        "criu_restore": 0.9,
+        "first_request": 0.1,
+    }
+
+
+def test_table_and_plot(tmp_path: Path) -> None:
+    s = bench_local.summarize(PHASED)
+    text = bench_local.table(s)
+    assert "| patched | warm | 3 | 1.50 | 1.50, 1.40, 2.00 | 20.7 | - | - | - |" in text
+    bench_local.plot(s, tmp_path / "p.png")
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"

@@ -12,10 +12,14 @@ PY          := $(VENV)/bin/python
 K8S_BIN     := $(shell . scripts/lib/common.sh && echo $$REKINDLE_CACHE/kubernetes-$$K8S_VERSION/bin)
 export KUBECONFIG := $(shell scripts/local-cluster kubeconfig)
 export PATH       := $(VENV)/bin:$(DEPS_VENV)/bin:$(K8S_BIN):$(PATH)
-PYTEST      := $(PY) -m pytest
+# Every suite prints its slowest tests (the budget of `make test` is watched by them).
+PYTEST      := $(PY) -m pytest --durations=25 --durations-min=1
+# What a suite needs that make does not install, checked first: names all that is missing.
+PREFLIGHT   := python3 -P scripts/rekindle_dev/testenv.py
 FAST        := not cluster and not criu and not vllm and not packaging
 
-.PHONY: help env lint fmt typecheck test test-unit test-packaging test-criu test-vllm test-cluster \
+.PHONY: help env lint fmt typecheck test test-preflight test-unit test-packaging test-criu \
+        test-vllm test-cluster \
         cluster-up cluster-down cluster-status images image-gpu-rootfs demo clean-cache
 
 help: ## list the targets
@@ -34,24 +38,30 @@ fmt: env ## format and autofix with ruff
 	ruff format .
 	ruff check --fix .
 
-test: lint test-unit test-packaging test-criu test-vllm test-cluster ## everything: lint, unit, packaging, CRIU, vLLM and cluster suites
+test: test-preflight lint test-unit test-packaging test-criu test-vllm test-cluster ## everything: lint, unit, packaging, CRIU, vLLM and cluster suites
 
-test-unit: env ## fast tests: pure logic, no root, no servers (gpu ones skip without CUDA)
+test-preflight: ## what every suite needs from this machine (and make does not install), checked at once
+	$(PREFLIGHT) unit packaging criu vllm cluster
+
+preflight-%:
+	$(PREFLIGHT) $*
+
+test-unit: preflight-unit env ## fast tests: no servers; root for a few (mounts, chattr +i); gpu ones skip without CUDA
 	scripts/build-kubernetes >/dev/null  # the pinned helm, for the chart template tests
 	$(PYTEST) -m "$(FAST)"
 
-test-packaging: env ## pip install '.[operator]' into a clean venv: kubectl-rekindle and --plot work
+test-packaging: preflight-packaging env ## pip install '.[operator]' into a clean venv: kubectl-rekindle and --plot work
 	$(PYTEST) -m packaging
 
-test-criu: env ## real CRIU dump/restore (root); builds CRIU on a cache miss
+test-criu: preflight-criu env ## real CRIU dump/restore (root); builds CRIU on a cache miss
 	scripts/build-criu >/dev/null
 	$(PYTEST) -m "criu and not vllm"
 
-test-vllm: env ## real vLLM CPU server: agent and weight reloader
+test-vllm: preflight-vllm env ## real vLLM CPU server: agent and weight reloader
 	scripts/build-criu >/dev/null
 	$(PYTEST) -m vllm
 
-test-cluster: env cluster-up images ## the real local cluster: node, operator, chart
+test-cluster: preflight-cluster env cluster-up images ## the real local cluster: node, operator, chart
 	$(PYTEST) -m cluster
 
 cluster-up: ## start the embedded local Kubernetes node (idempotent)
@@ -68,8 +78,9 @@ images: cluster-up ## build the local images (smoke, runtime-cpu, operator) and 
 		scripts/local-cluster load-image "$$(scripts/build-image $$image)"
 	done
 
-image-gpu-rootfs: ## the GPU runtime image's root filesystem, built locally (not in CI: GB of CUDA wheels; never run on a GPU)
+image-gpu-rootfs: env ## the GPU runtime image's root filesystem, built locally (not in CI: GB of CUDA wheels; never run on a GPU)
 	images/runtime-gpu/build-rootfs
+	REKINDLE_GPU_ROOTFS_BUILT=1 $(PYTEST) tests/unit/test_gpu_image.py::test_a_built_root_filesystem_has_every_part
 
 demo: env cluster-up images ## the main job, end to end, on the local cluster
 	scripts/demo

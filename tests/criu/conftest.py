@@ -1,57 +1,24 @@
-"""Fixtures for the CRIU tests: the CRIU builds and the memmix test program."""
+"""Fixtures for the CRIU tests: the test programs, the two CRIU flavors, and owning
+what the tests restore (criu_prefix, the CRIU builds, is tests/conftest.py's)."""
 
-import os
 import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from rekindle_dev.testenv import require
 
 from . import criu_helpers
 from .criu_helpers import Flavor, Probe, flavors
 
-REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 
 
-def _need_root() -> None:
-    if os.geteuid() != 0:
-        pytest.skip("CRIU dump/restore needs root")
-
-
-@pytest.fixture(scope="session")
-def criu_prefix() -> Path:
-    """Directory with stock/criu and patched/criu, from scripts/build-criu (cached).
-
-    REKINDLE_CRIU_PREFIX=DIR uses DIR instead (DIR/{stock,patched}/criu): for work on
-    the patches, with a patched CRIU built by hand.
-    """
-    _need_root()
-    override = os.environ.get("REKINDLE_CRIU_PREFIX")
-    if override:
-        return Path(override).resolve()
-    res = subprocess.run(
-        [str(REPO / "scripts" / "build-criu")],
-        stdout=subprocess.PIPE,
-        text=True,
-        timeout=1800,
-        check=False,
-    )
-    assert res.returncode == 0, "scripts/build-criu failed (its progress is on stderr)"
-    prefix = Path(res.stdout.strip().splitlines()[-1])
-    assert prefix.is_absolute(), prefix
-    for flavor in ("stock", "patched"):
-        assert os.access(prefix / flavor / "criu", os.X_OK), prefix / flavor / "criu"
-    assert (prefix / "patched" / "plugins" / "cuda_plugin.so").is_file()
-    return prefix
-
-
 def _compile(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
-    _need_root()
+    require("gcc")
     gcc = shutil.which("gcc")
-    if not gcc:
-        pytest.skip("gcc not found")
+    assert gcc is not None
     out = tmp_path_factory.mktemp(name) / name
     subprocess.run(
         [gcc, "-O2", "-Wall", "-Werror", "-pthread", "-o", str(out), str(HERE / f"{name}.c")],
@@ -59,6 +26,25 @@ def _compile(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
         timeout=120,
     )
     return out
+
+
+@pytest.fixture(autouse=True)
+def own_restored_processes() -> Iterator[None]:
+    """Make this process the child subreaper for the test, so that it owns what it restores.
+
+    `criu restore -d` leaves the restored tree orphaned; without a subreaper PID 1
+    adopts it, and PID 1 of some machines reaps a killed orphan seconds late. Until
+    then the PID is a zombie, and restoring the same image again fails with CRIU's
+    "Can't fork for PID: File exists". As the subreaper, this process adopts every
+    orphan of the test and criu_helpers.wait_gone() reaps it at once; whatever is
+    left is reaped when the test ends, so that no zombie holds a PID for the next.
+    """
+    criu_helpers.set_child_subreaper(True)
+    try:
+        yield
+    finally:
+        criu_helpers.set_child_subreaper(False)
+        criu_helpers.reap_orphans()
 
 
 @pytest.fixture(scope="session")

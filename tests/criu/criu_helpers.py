@@ -1,5 +1,7 @@
 """Helpers shared by the CRIU tests: running CRIU, test processes, /proc views."""
 
+import contextlib
+import ctypes
 import os
 import re
 import signal
@@ -11,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 CRIU_TIMEOUT = 120
+PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
 
 # What test_zdtm.py found, for the summary at the end of the run (conftest.py)
 ZDTM_SUMMARY: list[dict] = []
@@ -43,18 +46,49 @@ def cmdline_has(pid: int, name: bytes) -> bool:
         return False
 
 
-def wait_gone(pid: int, name: bytes, timeout: float = 20.0) -> None:
-    """Wait until pid is free again: the process exited and was reaped (or pid reused)."""
+def set_child_subreaper(on: bool) -> None:
+    """prctl(PR_SET_CHILD_SUBREAPER): orphans of this process's descendants come to it,
+    not to PID 1 (see conftest.own_restored_processes for why)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl(PR_SET_CHILD_SUBREAPER, {int(on)}): {os.strerror(err)}")
+
+
+def reap_orphans() -> None:
+    """Reap every child of this process that has exited (adopted orphans included)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def wait_gone(pid: int, timeout: float = 30.0) -> None:
+    """Wait until pid is free for a restore again: no /proc/PID at all.
+
+    Neither a zombie nor a process still exiting (its cmdline already empty) is gone:
+    CRIU cannot give the PID to a restored task until it is reaped ("Can't fork for
+    PID: File exists"). This process's own zombies (what it restored, adopted as the
+    child subreaper) are reaped here at once; another parent's are waited for.
+    """
     deadline = time.monotonic() + timeout
     while True:
         try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             return
-        if state not in ("Z", "X") and not cmdline_has(pid, name):
-            return  # reused by some other process
-        assert time.monotonic() < deadline, f"pid {pid} is still there after {timeout}s"
-        time.sleep(0.05)
+        state, ppid = fields[0], int(fields[1])
+        if state in ("Z", "X") and ppid == os.getpid():
+            with contextlib.suppress(ChildProcessError):
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    continue
+        assert time.monotonic() < deadline, (
+            f"pid {pid} (state {state}, parent {ppid}) is still there after {timeout}s"
+        )
+        time.sleep(0.01)
 
 
 def criu(
@@ -238,7 +272,7 @@ class Probe:
         if self.popen is not None and self.popen.pid == self.root:
             self.popen.wait(timeout=30)
         for pid in self.pids:
-            wait_gone(pid, self.NAME)
+            wait_gone(pid)
 
     def restore(self, flavor: Flavor, images: Path, *extra: str) -> None:
         res = criu_restore(flavor, images, *extra)
@@ -256,7 +290,7 @@ class Probe:
         if self.popen is not None:
             self.popen.wait(timeout=30)
         for pid in self.pids:
-            wait_gone(pid, self.NAME)
+            wait_gone(pid)
 
 
 def mapped_from(vmas: list[Vma], images: Path) -> tuple[list[Vma], list[Vma]]:

@@ -174,8 +174,7 @@ def test_exec_on_noexec_mount(flavor: Flavor, probe: Probe, tmp_path: Path) -> N
         text=True,
         check=False,
     )
-    if res.returncode:
-        pytest.skip(f"cannot mount a noexec tmpfs: {res.stderr.strip()}")
+    assert res.returncode == 0, f"cannot mount a noexec tmpfs (root needed): {res.stderr.strip()}"
     try:
         img = mnt / "img"
         cycle(flavor, probe, img)
@@ -196,8 +195,7 @@ def test_thp_always(flavor: Flavor, probe: Probe, tmp_path: Path) -> None:
     """Transparent huge pages enabled=always: same data, fork and COW; the mapped memory
     is page cache until written, so it has no huge pages (a performance difference)."""
     knob = "/sys/kernel/mm/transparent_hugepage/enabled"
-    if not Path(knob).exists():
-        pytest.skip("no transparent huge pages")
+    assert Path(knob).exists(), f"no {knob}: a kernel without transparent huge pages"
     with sysctl(knob, "always"):
         probe.start()
         before = sum(v.fields.get("AnonHugePages", 0) for v in probe.vmas("plain"))
@@ -220,18 +218,15 @@ def test_overcommit_never(flavor: Flavor, probe: Probe, tmp_path: Path) -> None:
     (which purges with MADV_DONTNEED and counts on zeroes) cannot be told apart. The
     patched restore maps nothing then (refused when detected); the purge reads zeroes."""
     img = tmp_path / "img"
-    try:
-        # The commit limit goes up 1000-fold for the few seconds mode 2 is on, so
-        # that nothing else on the machine fails to allocate meanwhile.
-        with (
-            sysctl("/proc/sys/vm/overcommit_ratio", "100000"),
-            sysctl("/proc/sys/vm/overcommit_memory", "2"),
-        ):
-            probe.start()
-            assert "nr" not in probe.vmas("arena")[0].flags
-            cycle(flavor, probe, img)
-    except PermissionError as e:
-        pytest.skip(f"cannot set vm.overcommit_memory: {e}")
+    # The commit limit goes up 1000-fold for the few seconds mode 2 is on, so
+    # that nothing else on the machine fails to allocate meanwhile.
+    with (
+        sysctl("/proc/sys/vm/overcommit_ratio", "100000"),
+        sysctl("/proc/sys/vm/overcommit_memory", "2"),
+    ):
+        probe.start()
+        assert "nr" not in probe.vmas("arena")[0].flags
+        cycle(flavor, probe, img)
     if flavor.mmap:
         log = (img / "restore.log").read_text()
         assert "vm.overcommit_memory=2" in log and "nothing is mapped" in log, log_tail(
@@ -256,11 +251,10 @@ def test_predump_chain(flavor: Flavor, probe: Probe, tmp_path: Path, criu_prefix
     """A restored process, pre-dumped and dumped (--track-mem, parent images): a page
     written before the pre-dump and dropped with MADV_DONTNEED after it must come back
     as what the process reads now, not as the pre-dump's copy."""
-    if not soft_dirty(criu_prefix):
-        pytest.skip(
-            "no soft-dirty tracking on this kernel (CONFIG_MEM_SOFT_DIRTY): "
-            "`criu check --feature mem_dirty_track` fails, pre-dump cannot run"
-        )
+    assert soft_dirty(criu_prefix), (
+        "no soft-dirty tracking on this kernel (CONFIG_MEM_SOFT_DIRTY): "
+        "`criu check --feature mem_dirty_track` fails, pre-dump cannot run"
+    )
     img1 = tmp_path / "img1"
     cycle(flavor, probe, img1)
     assert probe.ok("refill cow") == ""  # generation 1, written: anonymous pages now
@@ -310,11 +304,12 @@ def test_process_tree(flavor: Flavor, memprobe: Path, tmp_path: Path) -> None:
 def test_guard_region(flavor: Flavor, probe: Probe, tmp_path: Path) -> None:
     """A VMA with a guard region (MADV_GUARD_INSTALL) is read, the others still mapped."""
     probe.start()
-    if not (probe.run / "guard").exists():
-        pytest.skip("no MADV_GUARD_INSTALL on this kernel")
+    assert (probe.run / "guard").exists(), "no MADV_GUARD_INSTALL on this kernel (6.13 or later)"
     res = criu(flavor, "check", "--feature", "pagemap_scan_guard_pages")
-    if res.returncode:
-        pytest.skip("CRIU cannot see guard regions here (no PAGEMAP_SCAN guard pages)")
+    assert res.returncode == 0, (
+        f"CRIU cannot see guard regions on this kernel (no PAGEMAP_SCAN guard pages): "
+        f"{res.stdout}{res.stderr}"
+    )
     img = tmp_path / "img"
     cycle(flavor, probe, img)
     assert not is_mapped(probe, "guarded", img)

@@ -5,17 +5,26 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import pytest
 from rekindle_agent import io_uring
+from rekindle_dev.testenv import require
 
-RING = (
-    "import ctypes, sys, time; libc = ctypes.CDLL(None, use_errno=True); "
-    "buf = ctypes.create_string_buffer(120); fd = libc.syscall(425, 4, buf); "
-    "print(fd, flush=True); time.sleep(30)"
-)
+# A child that creates a real ring (io_uring_setup, x86_64 syscall 425), maps its SQ
+# ring (what liburing does), prints "fd errno", then waits for its stdin to close.
+RING = """
+import ctypes, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_long]
+fd = libc.syscall(425, 4, ctypes.create_string_buffer(120))
+err = ctypes.get_errno() if fd < 0 else 0
+if fd >= 0 and libc.mmap(None, 4096, 3, 1, fd, 0) in (None, ctypes.c_void_p(-1).value):
+    fd, err = -1, ctypes.get_errno()
+print(fd, err, flush=True)
+sys.stdin.read()
+"""
 
 
 def test_fake_proc(tmp_path: Path) -> None:
@@ -36,15 +45,25 @@ def test_fake_proc(tmp_path: Path) -> None:
 
 
 def test_real_ring_is_found() -> None:
-    p = subprocess.Popen([sys.executable, "-c", RING], stdout=subprocess.PIPE, text=True)
+    """A real ring, fd and mapping, is found; this process, which has none, is clean.
+
+    Needs a kernel that lets this process create a ring (kernel.io_uring_disabled 0,
+    or 1 as root): without one the detector cannot be shown to see a real ring.
+    """
+    require("io_uring")
+    p = subprocess.Popen(
+        [sys.executable, "-c", RING], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert p.stdout is not None
-        fd = int(p.stdout.readline())
-        if fd < 0:
-            pytest.skip("io_uring is disabled on this kernel")
-        time.sleep(0.05)
+        fd, err = (int(x) for x in p.stdout.readline().split())
+        assert fd >= 0, f"io_uring_setup or mmap of the ring failed: {os.strerror(err)}"
         found = io_uring.find([p.pid])
-        assert any(what.startswith(f"fd {fd} ") for _pid, what in found)
+        assert sorted(what for _pid, what in found) == [
+            f"fd {fd} -> anon_inode:[io_uring]",
+            "mapping anon_inode:[io_uring]",
+        ], found
+        assert {pid for pid, _ in found} == {p.pid}
         assert io_uring.find([os.getpid()]) == []
     finally:
         p.kill()

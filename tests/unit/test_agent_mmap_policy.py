@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from rekindle_agent import criu, immutable, mmap_policy
 from rekindle_agent.mmap_policy import decide, tree_refusals
+from rekindle_dev.testenv import require
 
 SAFE = {
     "allocators": [],
@@ -129,9 +130,7 @@ def test_storage_without_pages_or_on_noexec(tmp_path: Path) -> None:
     assert "no pages-*.img" in decide("auto", True, SAFE, empty, sysctls(tmp_path)).why
 
 
-def test_images_on_a_noexec_mount_are_copied(tmp_path: Path) -> None:
-    if os.geteuid() != 0:
-        pytest.skip("mounting a noexec tmpfs needs root")
+def test_images_on_a_noexec_mount_are_copied(tmp_path: Path, require_root: None) -> None:
     mnt = tmp_path / "noexec"
     mnt.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "noexec,size=1m", "tmpfs", str(mnt)], check=True)
@@ -188,8 +187,7 @@ def test_tree_facts_of_a_real_python() -> None:
 
 def test_a_preloaded_allocator_is_seen(tmp_path: Path) -> None:
     """A library named like jemalloc, LD_PRELOADed into a real process, is found in its maps."""
-    if subprocess.run(["which", "gcc"], capture_output=True).returncode != 0:
-        pytest.skip("no gcc")
+    require("gcc")
     lib = tmp_path / "libjemalloc.so.2"
     src = tmp_path / "fake.c"
     src.write_text("int rekindle_fake_allocator;\n")
@@ -210,21 +208,9 @@ def test_a_preloaded_allocator_is_seen(tmp_path: Path) -> None:
         child.wait()
 
 
-def immutable_supported(tmp: Path) -> bool:
-    probe = tmp / "probe"
-    probe.write_bytes(b"x")
-    try:
-        ok = immutable.set_immutable(probe)
-    except PermissionError:
-        return False
-    if ok:
-        immutable.set_immutable(probe, False)
-    return ok
-
-
-def test_immutable_pages_stop_root_and_remove_tree_clears_them(tmp_path: Path) -> None:
-    if os.geteuid() != 0 or not immutable_supported(tmp_path):
-        pytest.skip("needs root and a file system with the immutable flag")
+def test_immutable_pages_stop_root_and_remove_tree_clears_them(
+    tmp_path: Path, require_root: None
+) -> None:
     ckpt = tmp_path / "ckpt"
     img = images(ckpt)
     (img / "core-1.img").write_bytes(b"core")
@@ -251,10 +237,10 @@ def test_remove_tree_via_the_cli(tmp_path: Path) -> None:
     assert not d.exists()
 
 
-def test_checkpoint_bound_read_only_in_a_mount_namespace(tmp_path: Path) -> None:
+def test_checkpoint_bound_read_only_in_a_mount_namespace(
+    tmp_path: Path, require_root: None
+) -> None:
     """In a new mount namespace (as in a pod): writes fail with EROFS; the host sees no change."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root for a mount namespace")
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     (ckpt / "manifest.json").write_text("{}")

@@ -1,13 +1,22 @@
 """The serve port's proxy against a fake vLLM: allowlist, API key, body and concurrency
-limits, the timeout to vLLM, and a drain that gives up with a reason."""
+limits, the timeout to vLLM, and a drain that gives up with a reason.
+
+No timing margins: the fake vLLM holds the requests that must stay in flight (or
+stay silent) until the test releases them, so each outcome is decided by what the
+proxy sees, not by how fast a loaded machine runs; the only timeouts that fire are
+the ones under test, against requests that cannot finish before them.
+"""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from aiohttp import ClientSession, web
+from aiohttp import ClientSession, ClientTimeout, web
 from aiohttp.test_utils import TestServer
 from rekindle_agent.agent import Agent
 from rekindle_agent.config import AgentConfig
@@ -16,108 +25,71 @@ from rekindle_contract import api
 
 TOKEN = b"unit-test-token-0123456789"
 API_KEY = b"sk-unit-test"
+KEY = {"Authorization": "Bearer " + API_KEY.decode()}
+WAIT = 60.0  # for what must happen: generous, it only bounds a failing test (no hang)
 
 
-async def _upstream(seen: list[str]) -> TestServer:
-    async def anything(request: web.Request) -> web.StreamResponse:
-        seen.append(f"{request.method} {request.path_qs}")
+class FakeVllm:
+    """Answers at once, except a completion whose body says "hold": that one is answered
+    only after release is set, and says it arrived on arrived."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+        self.arrived: asyncio.Queue[None] = asyncio.Queue()
+        self.release = asyncio.Event()
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        self.seen.append(f"{request.method} {request.path_qs}")
         assert "Authorization" not in request.headers  # the API key stops at the agent
         if request.path == "/v1/completions":
             body = await request.json()
-            if body.get("slow"):
-                await asyncio.sleep(float(body["slow"]))
+            if body.get("hold"):
+                self.arrived.put_nowait(None)
+                await self.release.wait()
             return web.json_response({"choices": [{"text": "ok"}]})
         return web.json_response({"path": request.path})
 
+    async def wait_arrived(self, n: int) -> None:
+        for _ in range(n):
+            await asyncio.wait_for(self.arrived.get(), WAIT)
+
+
+@dataclass
+class Served:
+    vllm: FakeVllm
+    agent: Agent
+    proxy: Proxy
+    url: str  # the serve port's
+    admin: str  # the admin port's
+
+
+@asynccontextmanager
+async def serving(tmp_path: Path, **cfg: Any) -> AsyncIterator[Served]:
+    """A fake vLLM, and an agent (Ready) proxying to it with cfg."""
+    vllm = FakeVllm()
     app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", anything)
-    server = TestServer(app, host="127.0.0.1")
-    await server.start_server()
-    return server
-
-
-async def _scenario(tmp_path: Path) -> None:
-    seen: list[str] = []
-    up = await _upstream(seen)
-    cfg = AgentConfig(
+    app.router.add_route("*", "/{tail:.*}", vllm.handle)
+    up = TestServer(app, host="127.0.0.1")
+    await up.start_server()
+    config = AgentConfig(
         model=str(tmp_path),
         run_dir=str(tmp_path),
         vllm_port=up.port or 0,
         worker_extension="none",
-        proxy_max_body_mb=1,
-        proxy_max_concurrency=2,
-        proxy_timeout=1.5,
-        drain_timeout=0.3,
         checkpoint_root=str(tmp_path / "ckpts"),
+        **cfg,
     )
-    agent = Agent(cfg, TOKEN, api_key=API_KEY)
+    agent = Agent(config, TOKEN, api_key=API_KEY)
     proxy = Proxy(agent)
     serve = TestServer(proxy_app(agent, proxy), host="127.0.0.1")
     admin = TestServer(admin_app(agent, proxy), host="127.0.0.1")
     await serve.start_server()
     await admin.start_server()
-    key = {"Authorization": "Bearer " + API_KEY.decode()}
-    tok = {"Authorization": "Bearer " + TOKEN.decode()}
     try:
         agent.set_state("Ready")
-        async with ClientSession() as s:
-
-            async def call(method: str, path: str, **kw: Any) -> tuple[int, Any]:
-                async with s.request(method, serve.make_url(path), **kw) as r:
-                    return r.status, await r.text()
-
-            # The key is checked first, on every path.
-            for path in ("/v1/completions", "/collective_rpc", "/health", "/nope"):
-                assert (await call("POST", path, json={}))[0] == 401
-                bad = {"Authorization": "Bearer sk-wrong"}
-                assert (await call("POST", path, json={}, headers=bad))[0] == 401
-            # With it: the API passes, the control endpoints do not exist here.
-            assert (await call("POST", "/v1/completions", json={}, headers=key))[0] == 200
-            assert (await call("GET", "/v1/models", headers=key))[0] == 200
-            for path in ("/collective_rpc", "/sleep?level=1", "/wake_up", "/reset_prefix_cache"):
-                status, text = await call("POST", path, json={"method": "x"}, headers=key)
-                assert status == 404 and "no such route" in text, (path, text)
-            assert (await call("GET", "/v1/completions", headers=key))[0] == 405
-            assert (await call("POST", "/v1/completions/../../sleep", headers=key))[0] == 404
-            assert seen == ["POST /v1/completions", "GET /v1/models"]
-            # Body limit (1 MiB), both declared and chunked.
-            big = b"x" * ((1 << 20) + 1)
-            assert (await call("POST", "/v1/completions", data=big, headers=key))[0] == 413
-
-            async def chunks() -> Any:
-                for _ in range(3):
-                    yield b"y" * (1 << 19)
-
-            status, _ = await call("POST", "/v1/completions", data=chunks(), headers=key)
-            assert status == 413
-            # vLLM silent past --proxy-timeout: 504, not a hung client.
-            status, text = await call("POST", "/v1/completions", json={"slow": 2.5}, headers=key)
-            assert status == 504 and "--proxy-timeout" in text
-            # Concurrency: 2 in flight, the third gets 429 with Retry-After.
-            slow = [
-                asyncio.ensure_future(
-                    call("POST", "/v1/completions", json={"slow": 1.0}, headers=key)
-                )
-                for _ in range(2)
-            ]
-            await asyncio.sleep(0.15)
-            async with s.post(serve.make_url("/v1/completions"), json={}, headers=key) as r:
-                assert r.status == 429 and r.headers["Retry-After"]
-            # ... and a checkpoint meanwhile gives up draining, with the reason.
-            async with s.post(
-                admin.make_url(api.PATH_CHECKPOINT),
-                json={"dir": str(tmp_path / "ckpts/c")},
-                headers=tok,
-            ) as r:
-                body = await r.json()
-                assert r.status == 503 and body["reason"] == "drain_timeout", body
-            doc = agent.status_doc()
-            assert doc["state"] == "Ready"
-            assert doc["last_checkpoint"] is not None
-            assert doc["last_checkpoint"]["reason"] == "drain_timeout"
-            assert [st for st, _ in await asyncio.gather(*slow)] == [200, 200]
-            assert proxy.inflight == 0
+        yield Served(vllm, agent, proxy, str(serve.make_url("/")), str(admin.make_url("/")))
     finally:
+        vllm.release.set()
         await proxy.close_connections()
         await serve.close()
         await admin.close()
@@ -125,5 +97,103 @@ async def _scenario(tmp_path: Path) -> None:
         agent.reaper.stop()
 
 
-def test_proxy_limits_and_allowlist(tmp_path: Path) -> None:
-    asyncio.run(_scenario(tmp_path))
+async def call(s: ClientSession, method: str, url: str, **kw: Any) -> tuple[int, str]:
+    async with s.request(method, url, **kw) as r:
+        return r.status, await r.text()
+
+
+async def _allowlist_and_limits(tmp_path: Path) -> None:
+    async with (
+        serving(tmp_path, proxy_max_body_mb=1, proxy_timeout=WAIT) as sv,
+        ClientSession(timeout=ClientTimeout(total=WAIT)) as s,
+    ):
+        vllm, proxy, url = sv.vllm, sv.proxy, sv.url
+        # The key is checked first, on every path.
+        for path in ("v1/completions", "collective_rpc", "health", "nope"):
+            assert (await call(s, "POST", url + path, json={}))[0] == 401
+            bad = {"Authorization": "Bearer sk-wrong"}
+            assert (await call(s, "POST", url + path, json={}, headers=bad))[0] == 401
+        # With it: the API passes, the control endpoints do not exist here.
+        assert (await call(s, "POST", url + "v1/completions", json={}, headers=KEY))[0] == 200
+        assert (await call(s, "GET", url + "v1/models", headers=KEY))[0] == 200
+        for path in ("collective_rpc", "sleep?level=1", "wake_up", "reset_prefix_cache"):
+            status, text = await call(s, "POST", url + path, json={"method": "x"}, headers=KEY)
+            assert status == 404 and "no such route" in text, (path, text)
+        assert (await call(s, "GET", url + "v1/completions", headers=KEY))[0] == 405
+        assert (await call(s, "POST", url + "v1/completions/../../sleep", headers=KEY))[0] == 404
+        assert vllm.seen == ["POST /v1/completions", "GET /v1/models"]
+        # Body limit (1 MiB), both declared and chunked; neither reaches vLLM.
+        big = b"x" * ((1 << 20) + 1)
+        assert (await call(s, "POST", url + "v1/completions", data=big, headers=KEY))[0] == 413
+
+        async def chunks() -> AsyncIterator[bytes]:
+            for _ in range(3):
+                yield b"y" * (1 << 19)
+
+        status, _ = await call(s, "POST", url + "v1/completions", data=chunks(), headers=KEY)
+        assert status == 413
+        assert vllm.seen == ["POST /v1/completions", "GET /v1/models"]
+        assert proxy.inflight == 0
+
+
+def test_proxy_allowlist_api_key_and_body_limit(tmp_path: Path) -> None:
+    asyncio.run(_allowlist_and_limits(tmp_path))
+
+
+async def _silent_vllm(tmp_path: Path) -> None:
+    async with (
+        serving(tmp_path, proxy_timeout=0.5) as sv,
+        ClientSession(timeout=ClientTimeout(total=WAIT)) as s,
+    ):
+        vllm, proxy, url = sv.vllm, sv.proxy, sv.url
+        # vLLM silent past --proxy-timeout (it answers only when released, after): 504,
+        # not a hung client.
+        status, text = await call(s, "POST", url + "v1/completions", json={"hold": 1}, headers=KEY)
+        assert status == 504 and "--proxy-timeout" in text, text
+        assert vllm.arrived.qsize() == 1  # it did reach vLLM, which stayed silent
+        assert proxy.inflight == 0
+
+
+def test_proxy_times_out_a_silent_vllm(tmp_path: Path) -> None:
+    asyncio.run(_silent_vllm(tmp_path))
+
+
+async def _concurrency_and_drain(tmp_path: Path) -> None:
+    limits = {"proxy_max_concurrency": 2, "proxy_timeout": WAIT, "drain_timeout": 0.3}
+    async with (
+        serving(tmp_path, **limits) as sv,
+        ClientSession(timeout=ClientTimeout(total=WAIT)) as s,
+    ):
+        vllm, proxy, url = sv.vllm, sv.proxy, sv.url
+        # Concurrency: 2 in flight (held by vLLM), the third gets 429 with Retry-After.
+        held = [
+            asyncio.ensure_future(
+                call(s, "POST", url + "v1/completions", json={"hold": 1}, headers=KEY)
+            )
+            for _ in range(2)
+        ]
+        await vllm.wait_arrived(2)
+        assert proxy.inflight == 2
+        async with s.post(url + "v1/completions", json={}, headers=KEY) as r:
+            assert r.status == 429 and r.headers["Retry-After"]
+        # ... and a checkpoint meanwhile gives up draining, with the reason: the two
+        # cannot finish before it gives up, vLLM holds them.
+        tok = {"Authorization": "Bearer " + TOKEN.decode()}
+        body = {"dir": str(tmp_path / "ckpts/c")}
+        async with s.post(sv.admin + api.PATH_CHECKPOINT.lstrip("/"), json=body, headers=tok) as r:
+            reply = await r.json()
+            assert r.status == 503 and reply["reason"] == "drain_timeout", reply
+            assert reply["error"].startswith("2 requests still running after 0.3s"), reply
+        assert proxy.inflight == 2 and not any(h.done() for h in held)
+        doc = sv.agent.status_doc()
+        assert doc["state"] == "Ready"
+        assert doc["last_checkpoint"] is not None
+        assert doc["last_checkpoint"]["reason"] == "drain_timeout"
+        vllm.release.set()
+        assert [st for st, _ in await asyncio.wait_for(asyncio.gather(*held), WAIT)] == [200, 200]
+        assert proxy.inflight == 0
+        assert vllm.seen.count("POST /v1/completions") == 2  # the refused one never reached it
+
+
+def test_proxy_concurrency_limit_and_drain_timeout(tmp_path: Path) -> None:
+    asyncio.run(_concurrency_and_drain(tmp_path))

@@ -3,9 +3,8 @@
 Checks the values users set to fit the chart into their cluster (images by
 digest, placement, resources, security context), that the schema refuses
 bad values with a message naming them, and the optional parts (CRDs,
-PodMonitor). Needs the pinned helm binary (built by `scripts/local-cluster up`,
-which `make test` runs for the cluster suite); skipped with that reason where
-it is not built yet.
+PodMonitor). Needs the pinned helm binary, which `scripts/build-kubernetes` builds
+(`make test-unit` runs it first); fails, saying so, where it is not built.
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ from typing import Any
 
 import pytest
 import yaml
+from rekindle_dev.testenv import helm_binary, require
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "rekindle"
@@ -24,29 +24,13 @@ DIGEST = "sha256:" + "ab" * 32
 PODMONITOR_API = "monitoring.coreos.com/v1/PodMonitor"
 
 
-def _helm_binary() -> str | None:
-    """The pinned helm from `scripts/local-cluster env` (its PATH), else one on PATH."""
-    r = subprocess.run(
-        [str(REPO / "scripts" / "local-cluster"), "env"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    for line in r.stdout.splitlines():
-        key, _, value = line.removeprefix("export ").partition("=")
-        if key == "PATH":
-            found = shutil.which("helm", path=value.replace("$PATH", ""))
-            if found:
-                return found
-    return shutil.which("helm")
+HELM = helm_binary()
 
 
-HELM = _helm_binary()
-pytestmark = pytest.mark.skipif(
-    HELM is None,
-    reason="helm is not built yet: run `scripts/local-cluster up` (or `make cluster-up`), "
-    "which builds the pinned helm",
-)
+@pytest.fixture(autouse=True)
+def _pinned_helm() -> None:
+    """The pinned helm must be built (make test-unit builds it first): fail, not skip."""
+    require("helm")
 
 
 def render(*sets: str, chart: Path = CHART, api_versions: tuple[str, ...] = ()) -> list[Any]:

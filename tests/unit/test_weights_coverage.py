@@ -7,10 +7,10 @@ addresses of real CPU tensors standing in for those blocks.
 
 from __future__ import annotations
 
-import pytest
+from rekindle_dev.testenv import require
 
-torch = pytest.importorskip("torch")
-
+require("torch")  # the reloader is tested on real tensors: fail, never skip
+import torch  # noqa: E402
 from rekindle_weights.dump import coverage, uncovered  # noqa: E402
 from rekindle_weights.tensors import model_tensors  # noqa: E402
 

@@ -6,9 +6,10 @@ import mmap
 from pathlib import Path
 
 import pytest
+from rekindle_dev.testenv import require
 
-torch = pytest.importorskip("torch")
-
+require("torch")  # the reloader is tested on real tensors: fail, never skip
+import torch  # noqa: E402
 from rekindle_weights import format as fmt  # noqa: E402
 from rekindle_weights.dump import dump_tensors  # noqa: E402
 from rekindle_weights.reload import (  # noqa: E402

@@ -10,9 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from rekindle_dev.testenv import require
 
-torch = pytest.importorskip("torch")
-
+require("torch")  # the reloader is tested on real tensors: fail, never skip
+import torch  # noqa: E402
 from rekindle_agent import fingerprint, immutable, mmap_policy, weights_map  # noqa: E402
 from rekindle_agent.vllm_control import VllmCallError, VllmControl  # noqa: E402
 from rekindle_agent.vllm_launch import vllm_env  # noqa: E402
@@ -74,8 +75,7 @@ def test_a_mapped_reload_marks_the_dump_until_the_last_range_is_unmapped(
 ) -> None:
     d, src = dump
     data = fmt.data_path(d, 0)
-    if not mmap_policy.ofd_locks_work(data):
-        pytest.skip("this file system has no OFD locks")
+    assert mmap_policy.ofd_locks_work(data), f"the file system of {data} has no OFD locks"
     keep: list[mmap.mmap] = []
     dst = {n: _aligned(t.numel(), keep) for n, t in src.items()}
     res = reload_tensors(d, dst, options=ReloadOptions(map_file=True))
@@ -126,28 +126,13 @@ def weights_dir(tmp_path: Path) -> Path:
     return d
 
 
-def _immutable_supported(d: Path) -> bool:
-    probe = d / "probe"
-    probe.write_bytes(b"x")
-    try:
-        ok = immutable.set_immutable(probe)
-    except OSError:
-        return False
-    if ok:
-        immutable.set_immutable(probe, False)
-    probe.unlink()
-    return ok
-
-
-def test_map_choice(weights_dir: Path) -> None:
+def test_map_choice(weights_dir: Path, require_root: None) -> None:
     data = fmt.data_path(weights_dir, 0)
     on = {"THP_MEM_ALLOC_ENABLE": "1"}
     assert weights_map.map_choice("cpu", data, env=on) == (
         False,
         "copied: weights-rank0.bin is not immutable (chattr +i)",
     )
-    if os.geteuid() != 0 or not _immutable_supported(weights_dir):
-        pytest.skip("needs root and a file system with the immutable flag")
     assert immutable.protect_weights(weights_dir) == []
     try:
         assert weights_map.map_choice("cpu", data, env=on) == (True, "mapped where page-aligned")
@@ -172,10 +157,8 @@ def test_map_choice(weights_dir: Path) -> None:
 
 
 def test_protected_weights_resist_writers_and_remove_tree_removes_them(
-    weights_dir: Path,
+    weights_dir: Path, require_root: None
 ) -> None:
-    if os.geteuid() != 0 or not _immutable_supported(weights_dir):
-        pytest.skip("needs root and a file system with the immutable flag")
     assert immutable.protect_weights(weights_dir) == []
     files = sorted(weights_dir.iterdir())
     assert [p.name for p in files] == ["weights-rank0.bin", "weights-rank0.json"]

@@ -19,9 +19,9 @@ as the operator builds a pod's.
 
 stop() returns only once nothing of the agent is left: its PID namespace is
 empty (every process of the tree it booted or restored is gone, zombies
-included, so a next restore finds its PIDs free) and vLLM's port is free. It
-raises when either is not so within its deadline, rather than let the next
-agent meet what this one left.
+included, so its sockets are closed and vLLM's port is free unless another
+agent holds it). It raises when that is not so within its deadline, rather
+than let the next agent meet what this one left.
 """
 
 from __future__ import annotations
@@ -88,9 +88,18 @@ class AgentProc:
     """One agent process and how to talk to it."""
 
     def __init__(
-        self, argv: list[str], log: Path, ports_file: Path, token: str, env: dict[str, str]
+        self,
+        argv: list[str],
+        log: Path,
+        ports_file: Path,
+        token: str,
+        env: dict[str, str],
+        own_pid_ns: bool = False,
     ) -> None:
+        """Launch argv; own_pid_ns: argv makes a new PID namespace for the agent
+        (fresh_ns_argv), which stop() then waits to be empty."""
         self.log = log
+        self.own_pid_ns = own_pid_ns
         self.ports_file = ports_file
         self.token = token
         self.api_key: str | None = None  # sent on the serve port when set
@@ -232,7 +241,7 @@ class AgentProc:
 
     def namespace(self) -> str | None:
         """The agent's own PID namespace (None: not started in one, or already gone)."""
-        if self.proc.poll() is not None:
+        if not self.own_pid_ns or self.proc.poll() is not None:
             return None
         ns = pid_namespace(self.proc.pid, "pid_for_children")
         return None if ns is None or ns == pid_namespace(self.proc.pid) else ns
@@ -249,7 +258,7 @@ class AgentProc:
         Killing the namespace's PID 1 makes the kernel kill the rest of it, and
         `unshare` (our child, reaped here) exits only after its child, the
         namespace's PID 1, whose exit waits for every other process there to be
-        reaped. Both are checked rather than assumed: a process left behind
+        reaped. That is checked rather than assumed: a process left behind
         would hold vLLM's port or PIDs the next restore needs.
         """
         ns = self.namespace()
@@ -267,11 +276,12 @@ class AgentProc:
             left = namespace_members(ns) if ns else []
         if left:
             raise RuntimeError(f"agent {self.log.name}: processes {left} outlived it in {ns}")
-        # With fresh_ns=False vLLM runs in its own session and may outlive its agent by a
-        # moment; the factory's next agent would refuse the port while it is still held.
-        port = self.vllm_port
-        if port is not None and not wait_port_free("127.0.0.1", port, STOP_DEADLINE_S):
-            raise RuntimeError(f"agent {self.log.name}: vLLM's port {port} still in use")
+        if not self.own_pid_ns and self.vllm_port is not None:
+            # Not in a namespace of its own (fresh_ns=False): its vLLM runs in its own
+            # session and may outlive the agent by a moment; the factory's next agent would
+            # refuse the port while it is still held. (Not an error when it stays held: an
+            # agent that was refused the port leaves it to the agent that holds it.)
+            wait_port_free("127.0.0.1", self.vllm_port, STOP_DEADLINE_S)
 
 
 class AgentFactory:
@@ -336,7 +346,9 @@ class AgentFactory:
         argv = agent_argv(self.args(ports_file=str(ports_file), **overrides), AGENT_COMMAND)
         if fresh_ns:
             argv = [*fresh_ns_argv(shm_size), *argv]
-        proc = AgentProc(argv, self.base / f"{stem}.log", ports_file, self.token, self.env)
+        proc = AgentProc(
+            argv, self.base / f"{stem}.log", ports_file, self.token, self.env, own_pid_ns=fresh_ns
+        )
         proc.vllm_port = int(overrides.get("vllm_port", self.vllm_port))
         key_file = overrides.get("api_key_file")
         if key_file:  # the serve port needs it: send it on completions

@@ -6,26 +6,20 @@ agent started while the first one's vLLM was up reported "Ready booted": its
 own vLLM could not bind the port, and /health was answered by the first
 one's server until its own died. Now the second agent goes Failed with a
 message naming the port and what to change, and the first keeps serving.
+
+The first agent restores the session's tiny checkpoint (a restored vLLM holds
+the port as a booted one does, in seconds); the race is of two real boots.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from tests.vllm.conftest import PROMPTS, AgentFactory, AgentProc, factory_for
+from tests.vllm.conftest import PROMPTS, AgentFactory, AgentProc, TinyCheckpoint
 
 pytestmark = [pytest.mark.vllm]
-
-
-@pytest.fixture(scope="module")
-def factory(
-    tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, criu_prefix: Path
-) -> Iterator[AgentFactory]:
-    yield from factory_for(tmp_path_factory, "agent-foreign", tiny_model, criu_prefix)
 
 
 def settle(agent: AgentProc, timeout: float = 900) -> tuple[str, str, bool]:
@@ -41,11 +35,16 @@ def settle(agent: AgentProc, timeout: float = 900) -> tuple[str, str, bool]:
     raise TimeoutError(f"agent neither Ready nor Failed after {timeout}s:\n{agent.tail()}")
 
 
-def test_second_agent_refuses_a_running_vllm(factory: AgentFactory) -> None:
-    first = factory.start(name="first")
+@pytest.mark.criu
+def test_second_agent_refuses_a_running_vllm(
+    agent_factory: AgentFactory, tiny_ckpt: TinyCheckpoint
+) -> None:
+    factory = agent_factory
+    first = factory.start(name="first", checkpoint=str(tiny_ckpt.path))
     try:
-        assert first.wait_ready(900).origin == "booted"
+        assert first.wait_ready(300).origin == "restored"
         answer = first.complete(PROMPTS[0])
+        assert answer == tiny_ckpt.before[0]
         second = factory.start(name="second")
         try:
             state, message, seen_ready = settle(second, 300)
@@ -63,15 +62,15 @@ def test_second_agent_refuses_a_running_vllm(factory: AgentFactory) -> None:
         first.stop()
 
 
-def test_agents_booting_together_one_serves(factory: AgentFactory) -> None:
+def test_agents_booting_together_one_serves(agent_factory: AgentFactory) -> None:
     """Both spawn before either vLLM listens: the port check cannot tell, the rest must.
 
     Whichever vLLM binds first serves; the other agent fails (its vLLM dies on
     the port, or /health is answered by a socket its tree does not hold)
     and is never Ready.
     """
-    a = factory.start(name="race-a")
-    b = factory.start(name="race-b")
+    a = agent_factory.start(name="race-a")
+    b = agent_factory.start(name="race-b")
     try:
         results = [settle(a), settle(b)]
         print(f"race: {results}")

@@ -6,52 +6,37 @@ restore log says so). An altered kept file is refused by the agent, made
 again, and the restore goes on. /run is this machine's, shared with other
 CRIU runs: another CRIU build's file put there at the same moment would make
 CRIU log "Stale" (and probe) instead.
+
+Both restore the session's tiny checkpoint (conftest's tiny_ckpt); the cache
+is the one its checkpointing agent left in the session factory's checkpoint
+root. (Agents with a signing key, whose kept file is signed and so not this
+one, keep theirs under another root: test_agent_security.)
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from rekindle_agent import kdat_cache
 
-from .conftest import AgentFactory, factory_for
+from .conftest import PROMPTS, AgentFactory, TinyCheckpoint
 
-pytestmark = pytest.mark.vllm
-
-
-@pytest.fixture(scope="module")
-def factory(
-    tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, criu_prefix: Path
-) -> Iterator[AgentFactory]:
-    yield from factory_for(tmp_path_factory, "kdat", tiny_model, criu_prefix)
-
-
-@pytest.fixture(scope="module")
-def ckpt(factory: AgentFactory) -> Path:
-    agent = factory.start(name="boot")
-    try:
-        agent.wait_ready(600)
-        path = factory.checkpoints / "k1"
-        agent.client.checkpoint(str(path), timeout=900)
-    finally:
-        agent.stop()
-    return path
+pytestmark = [pytest.mark.vllm, pytest.mark.criu]
 
 
 def _kept(factory: AgentFactory) -> list[Path]:
     return sorted((factory.checkpoints / kdat_cache.CACHE_SUBDIR).glob("*.kdat"))
 
 
-def _restore(factory: AgentFactory, ckpt: Path, name: str) -> tuple[str, str]:
+def _restore(factory: AgentFactory, ckpt: TinyCheckpoint, name: str) -> tuple[str, str]:
     """Restore from ckpt in a new "pod"; the agent's log and CRIU's restore log."""
     (factory.run_dir / "restore.log").unlink(missing_ok=True)
-    agent = factory.start(name=name, checkpoint=str(ckpt))
+    agent = factory.start(name=name, checkpoint=str(ckpt.path))
     try:
         st = agent.wait_ready(300)
         assert st.origin == "restored", (st.raw, agent.tail(100))
-        assert agent.complete("The river", max_tokens=4)
+        assert agent.complete(PROMPTS[0]) == ckpt.before[0]  # the restored tree serves
         return agent.tail(400), (factory.run_dir / "restore.log").read_text(errors="replace")
     finally:
         agent.stop()
@@ -62,21 +47,25 @@ def _kdat_lines(log: str) -> str:
 
 
 def test_checkpoint_leaves_the_cache_and_the_restore_loads_it(
-    factory: AgentFactory, ckpt: Path
+    agent_factory: AgentFactory, tiny_ckpt: TinyCheckpoint
 ) -> None:
+    factory = agent_factory
     assert len(_kept(factory)) == 1  # made by the checkpointing agent, for this node
-    agent_log, criu_log = _restore(factory, ckpt, "restore-cached")
+    agent_log, criu_log = _restore(factory, tiny_ckpt, "restore-cached")
     assert "CRIU kdat cache installed" in agent_log, agent_log[-3000:]
     kdat = _kdat_lines(criu_log)
     assert "Loaded kdat cache from" in kdat, kdat
     assert "does not exist" not in kdat, kdat
 
 
-def test_a_corrupt_kept_cache_is_made_again(factory: AgentFactory, ckpt: Path) -> None:
+def test_a_corrupt_kept_cache_is_made_again(
+    agent_factory: AgentFactory, tiny_ckpt: TinyCheckpoint
+) -> None:
+    factory = agent_factory
     (kept,) = _kept(factory)
     data = kept.read_bytes()
     kept.write_bytes(data[:-8] + bytes(8))  # the content no longer matches its digest
-    agent_log, criu_log = _restore(factory, ckpt, "restore-corrupt")
+    agent_log, criu_log = _restore(factory, tiny_ckpt, "restore-corrupt")
     assert "ignoring kdat cache" in agent_log and "CRIU kdat cache produced" in agent_log
     assert kdat_cache.unwrap(kept.read_bytes())  # a good file again
     assert "Loaded kdat cache from" in _kdat_lines(criu_log)

@@ -1,10 +1,15 @@
 """The mapped weight reload, on by default, with a real vLLM CPU server and real CRIU.
 
-A model whose big tensors are 2 MiB and more (PyTorch page-aligns them under
-THP_MEM_ALLOC_ENABLE=1, which the agent sets): a proven checkpoint's weight dump
-is immutable; a replica restored from it maps the dump (with the lifetime mark
-held), answers exactly as before, checkpoints again without it (the release
-unmaps first), and the first checkpoint can then be deleted.
+A model whose big tensors are 2 MiB and more (conftest's wide model: PyTorch
+page-aligns them under THP_MEM_ALLOC_ENABLE=1, which the agent sets): a proven
+checkpoint's weight dump is immutable; a replica restored from it maps the
+dump (with the lifetime mark held), answers exactly as before, checkpoints
+again without it (the release unmaps first), and the first checkpoint can then
+be deleted. With REKINDLE_MAP_WEIGHTS=0 a replica of the same checkpoint copies.
+
+One boot makes the first checkpoint; both tests restore it. The mapping test
+deletes it at its end, so the module's Proven makes it again if a test needs
+it after that (a test run alone, or out of order, still finds it).
 """
 
 from __future__ import annotations
@@ -12,31 +17,19 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from rekindle_agent import immutable
-from rekindle_dev.models import TinyModelSpec, generate_tiny_model
 from rekindle_weights.reload import MAPPED_MARK
 
 from tests.vllm.conftest import PROMPTS, AgentFactory, AgentProc, factory_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.criu]
 
-# Embedding and LM head 4 MiB each, the fused MLP weights 11 MiB per layer (bf16).
-WIDE = TinyModelSpec(
-    hidden_size=1024,
-    intermediate_size=2752,
-    num_hidden_layers=2,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-)
 RELOAD_LINE = re.compile(r"rekindle: reload rank 0: (\d+) bytes, (\d+) mapped from (\S+) \((.*)\)")
-
-
-@pytest.fixture(scope="module")
-def wide_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return generate_tiny_model(tmp_path_factory.mktemp("models") / "wide", WIDE)
 
 
 @pytest.fixture(scope="module")
@@ -91,94 +84,126 @@ def marks(data: Path) -> list[str]:
     ]
 
 
-def test_restored_replica_maps_the_immutable_dump(factory: AgentFactory) -> None:
-    c1, c2 = factory.checkpoints / "c1", factory.checkpoints / "c2"
-    boot = factory.start(name="boot")
-    try:
-        st = boot.wait_ready(600)
-        assert st.origin == "booted"
-        before = completions(boot)
-        boot.client.checkpoint(str(c1), timeout=900)
-        st = boot.wait_ready(60)
-        assert st.raw["last_checkpoint"]["weights_protection"] == "immutable", st.raw
-        # The proving restore ran before the dump was protected: it copied.
-        *_, (_, mapped, _, why) = reloads(boot)
-        assert mapped == 0 and "not immutable" in why, why
-    except BaseException:
-        print(boot.tail(200))
-        raise
-    finally:
-        boot.stop()
+@dataclass
+class Checkpoint:
+    """A checkpoint made by a booted server, and what that server said."""
 
-    data = c1 / "weights" / "weights-rank0.bin"
-    weight_files = sorted((c1 / "weights").iterdir())
+    path: Path
+    before: list[str]
+    boot_status: dict[str, Any]  # after the checkpoint: the proving restore
+    boot_reload: tuple[int, int, str, str]  # the proving restore's weight reload
+
+
+class Proven:
+    """The module's first checkpoint: made on first use, made again once deleted."""
+
+    def __init__(self, factory: AgentFactory) -> None:
+        self.factory = factory
+        self.made = 0
+        self._ckpt: Checkpoint | None = None
+
+    def get(self) -> Checkpoint:
+        if self._ckpt is None or not self._ckpt.path.exists():
+            self._ckpt = self._make()
+        return self._ckpt
+
+    def _make(self) -> Checkpoint:
+        self.made += 1
+        path = self.factory.checkpoints / f"c1-{self.made}"
+        boot = self.factory.start(name="boot")
+        try:
+            st = boot.wait_ready(600)
+            assert st.origin == "booted"
+            before = completions(boot)
+            boot.client.checkpoint(str(path), timeout=900)
+            st = boot.wait_ready(60)
+            return Checkpoint(path, before, dict(st.raw), reloads(boot)[-1])
+        except BaseException:
+            print(boot.tail(200))
+            raise
+        finally:
+            boot.stop()
+
+
+@pytest.fixture(scope="module")
+def proven(factory: AgentFactory) -> Proven:
+    return Proven(factory)
+
+
+def test_off_switch_copies(
+    factory: AgentFactory, proven: Proven, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """REKINDLE_MAP_WEIGHTS=0 in the restoring agent's environment: nothing is mapped,
+    even though the tree was dumped with mapping on."""
+    c1 = proven.get()
+    monkeypatch.setitem(factory.env, "REKINDLE_MAP_WEIGHTS", "0")
+    replica = factory.start(name="replica-off", checkpoint=str(c1.path))
+    try:
+        st = replica.wait_ready(300)
+        assert st.origin == "restored" and st.last_fallback is None, st.raw
+        *_, (_, mapped, _, why) = reloads(replica)
+        assert mapped == 0 and why == "copied: map_weights=false", why
+        assert mappers(c1.path / "weights" / "weights-rank0.bin") == []
+        assert completions(replica) == c1.before
+    finally:
+        replica.stop()
+
+
+def test_restored_replica_maps_the_immutable_dump(factory: AgentFactory, proven: Proven) -> None:
+    c1 = proven.get()
+    st = c1.boot_status
+    assert st["last_checkpoint"]["weights_protection"] == "immutable", st
+    # The proving restore ran before the dump was protected: it copied.
+    _, mapped, _, why = c1.boot_reload
+    assert mapped == 0 and "not immutable" in why, why
+
+    data = c1.path / "weights" / "weights-rank0.bin"
+    weight_files = sorted((c1.path / "weights").iterdir())
     assert len(weight_files) == 2 and all(immutable.is_immutable(p) for p in weight_files)
     with pytest.raises(PermissionError):
         data.open("r+b")
 
-    replica = factory.start(name="replica", checkpoint=str(c1))
+    c2 = factory.checkpoints / "c2"
+    replica = factory.start(name="replica", checkpoint=str(c1.path))
     try:
-        st = replica.wait_ready(300)
-        assert st.origin == "restored" and st.last_fallback is None, st.raw
+        st = replica.wait_ready(300).raw
+        assert st["origin"] == "restored" and st["last_fallback"] is None, st
         *_, (total, mapped, path, why) = reloads(replica)
         assert path == str(data) and why == "mapped where page-aligned", why
         # The wide tensors (most of the bytes) are mapped, not copied.
         assert mapped > total // 2, (mapped, total)
         assert mappers(data), "no process maps the weight dump"
         assert len(marks(data)) >= 1, "the mapped dump carries no lifetime mark"
-        assert completions(replica) == before
+        assert completions(replica) == c1.before
 
         # A checkpoint of the server that maps the dump: the release unmaps it first,
         # so the new checkpoint holds the weights itself.
         replica.client.checkpoint(str(c2), timeout=900)
-        st = replica.wait_ready(60)
-        assert st.raw["last_checkpoint"]["ok"], st.raw
+        st = replica.wait_ready(60).raw
+        assert st["last_checkpoint"]["ok"], st
         assert mappers(data) == [] and marks(data) == []
-        assert completions(replica) == before
+        assert completions(replica) == c1.before
     except BaseException:
         print(replica.tail(200))
         raise
     finally:
         replica.stop()
 
-    # The first checkpoint can go (its immutable files too); the second stands alone.
-    immutable.remove_tree(c1)
-    assert not c1.exists()
-    again = factory.start(name="from-c2", checkpoint=str(c2))
     try:
-        st = again.wait_ready(300)
-        assert st.origin == "restored" and st.checkpoint == str(c2), st.raw
-        *_, (_, mapped, path, _) = reloads(again)
-        assert mapped > 0 and path == str(c2 / "weights" / "weights-rank0.bin")
-        assert completions(again) == before
-    except BaseException:
-        print(again.tail(200))
-        raise
+        # The first checkpoint can go (its immutable files too); the second stands alone.
+        immutable.remove_tree(c1.path)
+        assert not c1.path.exists()
+        again = factory.start(name="from-c2", checkpoint=str(c2))
+        try:
+            st = again.wait_ready(300).raw
+            assert st["origin"] == "restored" and st["checkpoint"] == str(c2), st
+            *_, (_, mapped, path, _) = reloads(again)
+            assert mapped > 0 and path == str(c2 / "weights" / "weights-rank0.bin")
+            assert completions(again) == c1.before
+        except BaseException:
+            print(again.tail(200))
+            raise
+        finally:
+            again.stop()
     finally:
-        again.stop()
-
-
-def test_off_switch_copies(factory: AgentFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    """REKINDLE_MAP_WEIGHTS=0 in the restoring agent's environment: nothing is mapped,
-    even though the tree was dumped with mapping on."""
-    c3 = factory.checkpoints / "c3"
-    boot = factory.start(name="boot-off")
-    try:
-        boot.wait_ready(600)
-        before = completions(boot)
-        boot.client.checkpoint(str(c3), timeout=900)
-        boot.wait_ready(60)
-    finally:
-        boot.stop()
-    monkeypatch.setitem(factory.env, "REKINDLE_MAP_WEIGHTS", "0")
-    replica = factory.start(name="replica-off", checkpoint=str(c3))
-    try:
-        st = replica.wait_ready(300)
-        assert st.origin == "restored", st.raw
-        *_, (_, mapped, _, why) = reloads(replica)
-        assert mapped == 0 and why == "copied: map_weights=false", why
-        assert mappers(c3 / "weights" / "weights-rank0.bin") == []
-        assert completions(replica) == before
-    finally:
-        replica.stop()
-    immutable.remove_tree(c3)
+        immutable.remove_tree(c2)

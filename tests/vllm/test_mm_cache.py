@@ -23,6 +23,10 @@ What is shown, for real:
   maps them again, so the restored tree's cache index (in the API process's
   memory) and the buffer agree: the same image is a hit, with the same answer,
   and new images are cached as before.
+
+The sized agent's whole life (images, the fill, the checkpoint, the restore in
+a new pod) is one module fixture that records what each step saw; each test
+asserts on its part, so any of them runs alone.
 """
 
 from __future__ import annotations
@@ -34,15 +38,13 @@ import os
 import random
 import time
 import urllib.request
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
-from rekindle_contract.agent_args import agent_argv
-from rekindle_dev.harness import AGENT_COMMAND, AgentFactory, AgentProc
+from rekindle_dev.harness import AgentFactory, AgentProc
 from rekindle_dev.vlm import TinyVlmSpec, generate_tiny_vlm
 from rekindle_operator.shm_sizing import shm_need
 from rekindle_operator.spec import parse_spec
@@ -144,15 +146,7 @@ def ring_buffers(agent: AgentProc) -> list[os.stat_result]:
 
 def start_in_pod(factory: AgentFactory, name: str, shm_bytes: int, **overrides: Any) -> AgentProc:
     """Like factory.start(), with /dev/shm a tmpfs of shm_bytes (a pod's sized emptyDir)."""
-    stem = f"{name}-{len(factory.started)}"
-    ports_file = factory.base / f"{stem}.ports.json"
-    args = factory.args(ports_file=str(ports_file), mm_shm_cache_gb=CACHE_GB, **overrides)
-    mount = f'mount -t tmpfs -o size={shm_bytes},mode=1777 shm /dev/shm && exec "$@"'
-    ns = ["unshare", "--pid", "--fork", "--mount-proc", "--mount", "--", "sh", "-c", mount, "sh"]
-    argv = [*ns, *agent_argv(args, AGENT_COMMAND)]
-    proc = AgentProc(argv, factory.base / f"{stem}.log", ports_file, factory.token, factory.env)
-    factory.started.append(proc)
-    return proc
+    return factory.start(name=name, shm_size=shm_bytes, mm_shm_cache_gb=CACHE_GB, **overrides)
 
 
 @pytest.fixture(scope="module")
@@ -209,98 +203,143 @@ def test_undersized_dev_shm_kills_vllm_under_image_load(
 
 
 @dataclass
-class Served:
-    agent: AgentProc
-    factory: AgentFactory
+class Deltas:
+    """What one request moved vLLM's multimodal cache counters by."""
+
+    queries: float
+    hits: float
+
+
+@dataclass
+class SizedRun:
+    """One agent in a /dev/shm sized by the operator's formula, then its restore: what each
+    step saw (the tests below assert on it, each on its own)."""
+
+    answers: dict[int, str] = field(default_factory=dict)  # greedy answer per image seed
+    sights: list[Deltas] = field(default_factory=list)  # image 1, image 1 again, image 2
+    second: str = ""  # image 1's answer the second time
+    ring_after_two: os.stat_result | None = None
+    shm_bytes: int = 0  # the pod's /dev/shm, as statvfs sees it
+    fill: list[str] = field(default_factory=list)
+    ring_after_fill: os.stat_result | None = None
+    state_after_fill: str = ""
+    warm: list[str] = field(default_factory=list)  # image 1 twice after the fill
+    warm_hits: float = 0.0  # hits the second of those added
+    ring_before: os.stat_result | None = None  # at the checkpoint
+    manifest: dict[str, Any] = field(default_factory=dict)
+    saved_blocks: int = 0  # the ring buffer's copy in the checkpoint, allocated bytes
+    restored: dict[str, Any] = field(default_factory=dict)  # the restored agent's status
+    ring_after: os.stat_result | None = None
+    restored_answers: list[str] = field(default_factory=list)  # 1, then 3 twice
+    restored_sights: list[Deltas] = field(default_factory=list)  # 1; 3 and 3 together
+    restored_state: str = ""
+
+
+def _sight(factory: AgentFactory, agent: AgentProc, seed: int) -> tuple[str, Deltas]:
+    q0, h0 = mm_counters(factory)
+    answer = ask(agent, seed)
+    q1, h1 = mm_counters(factory)
+    return answer, Deltas(q1 - q0, h1 - h0)
 
 
 @pytest.fixture(scope="module")
-def served(
-    tmp_path_factory: pytest.TempPathFactory, vlm_model: Path, criu_prefix: Path
-) -> Iterator[Served]:
-    """One agent in a /dev/shm sized by the operator's formula; tests below use it in order."""
+def sized(tmp_path_factory: pytest.TempPathFactory, vlm_model: Path, criu_prefix: Path) -> SizedRun:
+    """Boot in a /dev/shm the operator sized; two images; the fill load; a checkpoint of the
+    warm server; a restore in a new pod of the same size; images again."""
     factory = make_factory(tmp_path_factory.mktemp("sized"), vlm_model, criu_prefix)
-    agent = start_in_pod(factory, "sized", sized_shm_bytes())
+    r = SizedRun()
     try:
+        agent = start_in_pod(factory, "sized", sized_shm_bytes())
         agent.wait_ready(900)
-        yield Served(agent, factory)
+        r.answers[1], first = _sight(factory, agent, 1)
+        r.second, again = _sight(factory, agent, 1)
+        r.answers[2], _ = _sight(factory, agent, 2)
+        r.sights = [first, again]
+        (r.ring_after_two,) = ring_buffers(agent)
+        shm = os.statvfs(f"/proc/{agent.proc.pid}/root/dev/shm")
+        r.shm_bytes = shm.f_blocks * shm.f_frsize
+
+        r.fill = fill(agent, first_seed=10_000)
+        (r.ring_after_fill,) = ring_buffers(agent)
+        r.state_after_fill = agent.status().state
+
+        # The fill may have evicted image 1: send it again so it is in the cache.
+        r.warm = [ask(agent, 1)]
+        h0 = mm_counters(factory)[1]
+        r.warm.append(ask(agent, 1))
+        r.warm_hits = mm_counters(factory)[1] - h0
+        (r.ring_before,) = ring_buffers(agent)
+        ckpt = factory.checkpoints / "warm"
+        r.manifest = dict(agent.client.checkpoint(str(ckpt), timeout=900))
+        for f in r.manifest["shm_files"]:
+            if str(f["name"]).startswith("vllm_mm_"):
+                r.saved_blocks = (ckpt / "shm" / str(f["name"])).stat().st_blocks * 512
+        agent.stop()  # its vLLM's port, shared like pods', is the restored one's
+
+        restored = start_in_pod(factory, "restored", sized_shm_bytes(), checkpoint=str(ckpt))
+        r.restored = dict(restored.wait_ready(600).raw)
+        (r.ring_after,) = ring_buffers(restored)
+        answer, deltas = _sight(factory, restored, 1)  # vLLM's counters came back with it
+        r.restored_answers.append(answer)
+        r.restored_sights.append(deltas)
+        q0, h0 = mm_counters(factory)
+        r.restored_answers += [ask(restored, 3), ask(restored, 3)]
+        q1, h1 = mm_counters(factory)
+        r.restored_sights.append(Deltas(q1 - q0, h1 - h0))
+        r.restored_state = restored.status().state
+    except BaseException:
+        for a in factory.started:
+            print(a.tail(100))
+        raise
     finally:
         factory.stop_all()
+    return r
 
 
-# Greedy answers per image seed on the booted server, compared after the restore.
-ANSWERS: dict[int, str] = {}
-
-
-def test_same_image_twice_is_a_shm_cache_hit(served: Served) -> None:
-    agent, factory = served.agent, served.factory
-    q0, h0 = mm_counters(factory)
-    first = ask(agent, 1)
-    q1, h1 = mm_counters(factory)
-    second = ask(agent, 1)
-    q2, h2 = mm_counters(factory)
-    other = ask(agent, 2)
-    assert (q1 - q0, h1 - h0) == (1, 0), "the first sight of an image is a miss"
-    assert (q2 - q1, h2 - h1) == (1, 1), "the same image again is a hit"
-    assert second == first
+def test_same_image_twice_is_a_shm_cache_hit(sized: SizedRun) -> None:
+    first, again = sized.sights
+    assert (first.queries, first.hits) == (1, 0), "the first sight of an image is a miss"
+    assert (again.queries, again.hits) == (1, 1), "the same image again is a hit"
+    assert sized.second == sized.answers[1]
     # The image reaches the model: another image gives another greedy answer.
-    assert other != first
-    ANSWERS.update({1: first, 2: other})
+    assert sized.answers[2] != sized.answers[1]
 
 
-def test_ring_buffer_is_in_dev_shm_at_the_configured_size(served: Served) -> None:
-    (ring,) = ring_buffers(served.agent)
+def test_ring_buffer_is_in_dev_shm_at_the_configured_size(sized: SizedRun) -> None:
+    ring = sized.ring_after_two
+    assert ring is not None
     assert ring.st_size == int(CACHE_GB * GiB) + 32  # the data, then vLLM's 32-byte header
     # Sparse: only what images were written occupies memory (2 images so far).
     assert 2 * ITEM_BYTES <= ring.st_blocks * 512 < 8 * ITEM_BYTES
-    shm = os.statvfs(f"/proc/{served.agent.proc.pid}/root/dev/shm")
-    assert shm.f_blocks * shm.f_frsize == sized_shm_bytes()
+    assert sized.shm_bytes == sized_shm_bytes()
 
 
 def test_operator_sized_dev_shm_serves_the_load_that_kills_an_undersized_one(
-    served: Served,
+    sized: SizedRun,
 ) -> None:
-    outcomes = fill(served.agent, first_seed=10_000)
-    errors = [o for o in outcomes if o != "ok"]
+    errors = [o for o in sized.fill if o != "ok"]
     assert not errors, errors[:3]
-    (ring,) = ring_buffers(served.agent)
+    assert len(sized.fill) == FILL_IMAGES
     # More than the undersized /dev/shm could hold went through the buffer.
-    assert ring.st_blocks * 512 > UNDERSIZED_SHM
-    assert served.agent.status().state == "Ready"
+    assert sized.ring_after_fill is not None
+    assert sized.ring_after_fill.st_blocks * 512 > UNDERSIZED_SHM
+    assert sized.state_after_fill == "Ready"
 
 
-def test_checkpoint_and_restore_keep_a_warm_cache_consistent(
-    served: Served, tmp_path: Path
-) -> None:
+def test_checkpoint_and_restore_keep_a_warm_cache_consistent(sized: SizedRun) -> None:
     """The ring buffer's pages travel with the checkpoint; the restored cache still hits."""
-    agent, factory = served.agent, served.factory
-    # The fill above may have evicted image 1: send it again so it is in the cache.
-    assert ask(agent, 1) == ANSWERS[1]
-    h0 = mm_counters(factory)[1]
-    assert ask(agent, 1) == ANSWERS[1]
-    assert mm_counters(factory)[1] == h0 + 1
-    (ring_before,) = ring_buffers(agent)
-
-    ckpt = factory.checkpoints / "warm"
-    man = dict(agent.client.checkpoint(str(ckpt), timeout=900))
-    saved = [f for f in man["shm_files"] if str(f["name"]).startswith("vllm_mm_")]
-    assert [f["size"] for f in saved] == [ring_before.st_size]
-    copy = ckpt / "shm" / str(saved[0]["name"])
-    assert copy.stat().st_blocks * 512 >= ITEM_BYTES  # written pages, holes kept
-    agent.stop()
-
-    restored = start_in_pod(factory, "restored", sized_shm_bytes(), checkpoint=str(ckpt))
-    st = restored.wait_ready(600)
-    assert st.origin == "restored", (st.raw, restored.tail(60))
-    assert st.last_fallback is None
-    (ring_after,) = ring_buffers(restored)
-    assert ring_after.st_size == ring_before.st_size
-    q1, h1 = mm_counters(factory)  # vLLM's counters were restored with its memory
-    assert ask(restored, 1) == ANSWERS[1]
-    q2, h2 = mm_counters(factory)
-    assert (q2 - q1, h2 - h1) == (1, 1), "the restored cache lost image 1"
-    new = ask(restored, 3)
-    assert ask(restored, 3) == new
-    q3, h3 = mm_counters(factory)
-    assert (q3 - q2, h3 - h2) == (2, 1), "a new image after the restore is not cached"
-    assert restored.status().state == "Ready"
+    assert sized.warm == [sized.answers[1]] * 2 and sized.warm_hits == 1
+    assert sized.ring_before is not None and sized.ring_after is not None
+    saved = [f for f in sized.manifest["shm_files"] if str(f["name"]).startswith("vllm_mm_")]
+    assert [f["size"] for f in saved] == [sized.ring_before.st_size]
+    assert sized.saved_blocks >= ITEM_BYTES  # written pages, holes kept
+    st = sized.restored
+    assert st["origin"] == "restored" and st["last_fallback"] is None, st
+    assert sized.ring_after.st_size == sized.ring_before.st_size
+    restored_1, new, new_again = sized.restored_answers
+    assert restored_1 == sized.answers[1]
+    one, three = sized.restored_sights
+    assert (one.queries, one.hits) == (1, 1), "the restored cache lost image 1"
+    assert new_again == new
+    assert (three.queries, three.hits) == (2, 1), "a new image after the restore is not cached"
+    assert sized.restored_state == "Ready"

@@ -1,7 +1,12 @@
 """Dump, release and reload the weights of a real vLLM CPU server through collective_rpc.
 
-One server for the module (a boot costs ~30 s). The oracle: per-tensor
-checksums computed inside the worker, and greedy completions, before and after.
+One server for the module (a boot costs ~30 s), of conftest's wide model:
+its big tensors (2 MiB and more) are page-aligned by PyTorch
+(THP_MEM_ALLOC_ENABLE=1, vllm_env's default on CPU), so a reload of an
+immutable dump maps them. The oracle: per-tensor checksums computed inside
+the worker, and greedy completions, before and after. Every test leaves the
+server serving its own weights, copied (the mapped test ends with a copying
+reload).
 """
 
 from __future__ import annotations
@@ -37,11 +42,14 @@ def _completions(server: VllmServer) -> list[str]:
 
 @pytest.fixture(scope="module")
 def weights_server(
-    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+    wide_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[VllmServer]:
     log = tmp_path_factory.mktemp("weights-vllm") / "vllm.log"
-    with running_vllm(tiny_model, log) as server:
-        yield server
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("REKINDLE_MAP_WEIGHTS", raising=False)  # the default: map where it can
+        with running_vllm(wide_model, log) as server:
+            mp.undo()  # only the server's environment
+            yield server
 
 
 @pytest.fixture(scope="module")
@@ -151,26 +159,6 @@ def test_dump_that_does_not_match_is_refused_before_anything_is_written(
     assert digest1 == digest0  # validated before a single byte was written
 
 
-@pytest.fixture(scope="module")
-def mapped_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    """A second server whose reloads map an immutable dump (the default), with PyTorch
-    aligning its big allocations to pages (THP_MEM_ALLOC_ENABLE=1) so that they can be.
-
-    SmolLM2-135M (served under the name "tiny"): the tiny model's tensors are all under
-    2 MiB, which PyTorch does not page-align, so nothing of it would be mapped.
-    """
-    from rekindle_dev.smollm2 import build_cached, default_cache_root, print_progress
-
-    model = build_cached(default_cache_root(), print_progress)
-    log = tmp_path_factory.mktemp("weights-vllm-map") / "vllm.log"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("REKINDLE_MAP_WEIGHTS", raising=False)
-        mp.setenv("THP_MEM_ALLOC_ENABLE", "1")
-        with running_vllm(model, log) as server:
-            mp.undo()  # only the server's environment
-            yield server
-
-
 def _maps_of(pid: int, path: Path) -> int:
     """How many of pid's mappings are of path (from /proc, as an outside observer)."""
     real = str(path.resolve())
@@ -179,9 +167,9 @@ def _maps_of(pid: int, path: Path) -> int:
 
 
 def test_mapped_reload_is_bit_exact_and_release_unmaps(
-    mapped_server: VllmServer, tmp_path: Path
+    weights_server: VllmServer, tmp_path: Path
 ) -> None:
-    s = mapped_server
+    s = weights_server
     before = _completions(s)
     (res,) = s.rpc(rpc.DUMP_WEIGHTS, str(tmp_path))
     data = fmt.data_path(tmp_path, 0)
@@ -192,13 +180,13 @@ def test_mapped_reload_is_bit_exact_and_release_unmaps(
     (rl,) = s.rpc(rpc.RELOAD_WEIGHTS, str(tmp_path), verify="false")
     assert rl["mapped_bytes"] == 0 and "not immutable" in rl["map"], rl
     assert _maps_of(pid, data) == 0
-    if immutable.protect_weights(tmp_path):
-        pytest.skip("this file system has no immutable flag: nothing would be mapped")
+    failed = immutable.protect_weights(tmp_path)
+    assert not failed, f"nothing would be mapped: {failed} (the tests' tmp must be ext4/xfs/...)"
     for _ in range(2):  # the second round releases memory that was mapped
         s.rpc(rpc.RELEASE_WEIGHTS)
         assert _maps_of(pid, data) == 0  # released memory is not a mapping of the dump
         (rl,) = s.rpc(rpc.RELOAD_WEIGHTS, str(tmp_path), verify="true")
-        # The big tensors (embedding, fused gate/up: ~60 %) are mapped, the small ones read.
+        # The big tensors (2 MiB and more: nearly all of this model) are mapped, the rest read.
         assert rl["mapped_bytes"] >= 0.4 * index.data_bytes, rl
         assert rl["map"] == "mapped where page-aligned", rl
         assert _maps_of(pid, data) > 0

@@ -86,9 +86,11 @@ def patched(criu_prefix: Path) -> Flavor:
     return flavors(criu_prefix)["patched"]
 
 
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+def pytest_terminal_summary(
+    terminalreporter: pytest.TerminalReporter, config: pytest.Config
+) -> None:
     """CRIU's own test suite, stock vs --mmap-restore (tests/criu/test_zdtm.py)."""
-    for s in criu_helpers.ZDTM_SUMMARY:
+    for s in config.stash.get(criu_helpers.ZDTM_SUMMARY, []):
         w = terminalreporter.write_line
         terminalreporter.section(f"zdtm ({s['set']}): stock vs patched CRIU with --mmap-restore")
         runs = [("stock", s["stock"], None)]
@@ -102,5 +104,8 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
             w(f"{m}: pass with stock, fail with the patch otherwise: {r['regressions'] or 'none'}")
             if r["only_patched_passes"]:
                 w(f"{m}: pass with the patch only: {r['only_patched_passes']}")
+        for run, fails in s["env_failures"].items():
+            for t, why in fails.items():
+                w(f"{run}: fails for a cause of this machine: {t}: {why}")
         for t, res in s["fail_both"].items():
             w(f"fails with stock: {t}: {'; '.join(str(x) for x in res)}")

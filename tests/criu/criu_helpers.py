@@ -11,12 +11,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 CRIU_TIMEOUT = 120
 PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
 
-# What test_zdtm.py found, for the summary at the end of the run (conftest.py)
-ZDTM_SUMMARY: list[dict] = []
+# Where test_zdtm.py leaves what it found, for the summary at the end of the run
+# (conftest.py's pytest_terminal_summary): in the run's config, not in this module.
+ZDTM_SUMMARY = pytest.StashKey[list[dict[str, Any]]]()
 
 
 @dataclass

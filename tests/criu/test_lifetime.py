@@ -160,18 +160,16 @@ def test_renamed_image_is_still_recognised(patched: Flavor, probe: Probe, tmp_pa
 
 
 def test_file_named_like_an_image_is_a_file(
-    patched: Flavor, memprobe: Path, tmp_path: Path
+    patched: Flavor, memprobe: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A process's own private mapping of a file called pages-1.img is a file mapping."""
     own = tmp_path / "own"
     own.mkdir()
     (own / "pages-1.img").write_bytes(os.urandom(1 << 20))
     env_probe = Probe(memprobe, tmp_path / "run")
-    os.environ["MEMPROBE_MAPFILE"] = str(own / "pages-1.img")
-    try:
+    with monkeypatch.context() as m:  # memprobe maps the file it names
+        m.setenv("MEMPROBE_MAPFILE", str(own / "pages-1.img"))
         env_probe.start()
-    finally:
-        del os.environ["MEMPROBE_MAPFILE"]
     try:
         images = tmp_path / "img"
         env_probe.dump(patched, images)

@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 from rekindle_agent import proctree
 
@@ -24,12 +25,11 @@ def test_real_tree_and_kill() -> None:
     )
     p = subprocess.Popen([sys.executable, "-c", code])
     try:
-        for _ in range(100):
-            pids = proctree.tree(p.pid)
-            if len(pids) == 2:
-                break
-            __import__("time").sleep(0.05)
-        assert pids[0] == p.pid and len(pids) == 2
+        deadline = time.monotonic() + 60
+        while len(pids := proctree.tree(p.pid)) != 2:
+            assert time.monotonic() < deadline, pids
+            time.sleep(0.05)
+        assert pids[0] == p.pid
         proctree.kill_tree(pids)
         p.wait()
         assert not proctree.alive(p.pid)

@@ -20,7 +20,7 @@ def pipe() -> Iterator[tuple[int, int]]:
     os.close(w)
 
 
-def read_until(fd: int, needle: bytes, timeout: float = 5) -> bytes:
+def read_until(fd: int, needle: bytes, timeout: float = 60) -> bytes:
     out = b""
     deadline = time.monotonic() + timeout
     while needle not in out and time.monotonic() < deadline:

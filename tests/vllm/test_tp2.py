@@ -145,8 +145,11 @@ def factory(
 
 def test_tp2_checkpoint_restore_same_answers(factory: AgentFactory) -> None:
     budget = shm_budget()
-    shm_on = shm_allreduce_built()
     agent = factory.start(name="boot-tp2", tensor_parallel_size=TP)
+    # Asked of vLLM in a child while the agent boots (a few seconds of imports).
+    probe = ThreadPoolExecutor(1)
+    shm_built = probe.submit(shm_allreduce_built)
+    probe.shutdown(wait=False)
     try:
         assert agent.wait_ready(900).origin == "booted"
         workers = [c for c in tree_cmdlines(agent.proc.pid) if c.startswith(WORKER_TITLE)]
@@ -170,6 +173,7 @@ def test_tp2_checkpoint_restore_same_answers(factory: AgentFactory) -> None:
     assert before.batch[: len(PROMPTS)] == before.sequential
     assert before.digests[0] != before.digests[1]  # each rank holds its own shard
     # Shared-memory all-reduce where vLLM's kernels have it, else every rank says gloo.
+    shm_on = shm_built.result(300)
     print(f"shared-memory all-reduce built: {shm_on}; 'disabled' lines: {shm_off_lines}")
     assert shm_off_lines == (0 if shm_on else TP), (shm_on, shm_off_lines)
     print(f"/dev/shm booted: apparent {booted_shm[0]}, allocated {booted_shm[1]}, budget {budget}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import calendar
 import json
 import os
+import shutil
 import subprocess
 import time
 import uuid
@@ -12,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 from rekindle_operator.quantity import parse_quantity
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,13 +33,34 @@ def _cluster_env() -> dict[str, str]:
 
 ENV = _cluster_env()
 
+# What each command the suite runs is, and how a machine without it gets it.
+TOOLS = {
+    "kubectl": "scripts/build-kubernetes builds the pinned kubectl (`make cluster-up` runs it)",
+    "helm": "scripts/build-kubernetes builds the pinned helm (`make cluster-up` runs it)",
+    "ctr": "it comes with Debian's containerd (`make cluster-up` installs it)",
+    "openssl": "install Debian's openssl (`apt-get install openssl`)",
+}
+
+
+def require_tool(name: str) -> str:
+    """The command's path on the cluster's PATH; fails (never skips) naming what is missing:
+    a machine that cannot run a test must not pass it."""
+    path = shutil.which(name, path=ENV.get("PATH"))
+    if path is None:
+        pytest.fail(
+            f"{name} is not on PATH ({ENV.get('PATH')}), and the cluster suite needs it: "
+            f"{TOOLS[name]}",
+            pytrace=False,
+        )
+    return path
+
 
 def kubectl(
     *args: str, input: str | None = None, check: bool = True, timeout: float = 120
 ) -> subprocess.CompletedProcess[str]:
     """Run the pinned kubectl against the local cluster."""
     return subprocess.run(
-        ["kubectl", *args],
+        [require_tool("kubectl"), *args],
         input=input,
         env=ENV,
         check=check,
@@ -53,7 +76,12 @@ def kubectl_json(*args: str) -> Any:
 
 def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        ["helm", *args], env=ENV, check=check, capture_output=True, text=True, timeout=300
+        [require_tool("helm"), *args],
+        env=ENV,
+        check=check,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 

@@ -6,6 +6,7 @@ a subprocess in its own process group and killed with it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ from typing import Any
 
 import pytest
 import yaml
+from rekindle_agent.immutable import remove_tree
 
 from tests.cluster.cluster_tools import (
     ENV,
@@ -28,6 +30,8 @@ from tests.cluster.cluster_tools import (
     fail_if_unschedulable,
     kubectl,
     kubectl_json,
+    require_tool,
+    wait_until,
 )
 
 CRDS = REPO / "charts" / "rekindle" / "files" / "crds"
@@ -112,21 +116,20 @@ def op_namespace(cluster: dict[str, str]) -> Iterator[str]:
     install_crds()
     name = create_namespace("rk")
     yield name
-    # Finalizers left by a stopped operator must not keep the namespace alive.
-    for kind in ("checkpoints.rekindle.dev", "inferenceservices.rekindle.dev"):
-        items = kubectl("get", kind, "-n", name, "-o", "name", check=False).stdout.split()
-        for item in items:
-            kubectl(
-                "patch",
-                item,
-                "-n",
-                name,
-                "--type=merge",
-                "-p",
-                '{"metadata":{"finalizers":null}}',
-                check=False,
-            )
+    release(name)  # finalizers left by a stopped operator must not keep the namespace alive
     kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="module")
+def host_dir(op_namespace: str) -> Iterator[Path]:
+    """The module's checkpoint root on the node (a hostPath), removed at the end.
+
+    Ask for it before `operator`: fixtures end in reverse order, so the operator then
+    deletes its objects (and their checkpoints) before this removes what is left."""
+    path = Path(f"/var/lib/rekindle/test-{op_namespace}")
+    yield path
+    with contextlib.suppress(OSError):
+        remove_tree(path)  # immutable pages images: rm -rf cannot
 
 
 @pytest.fixture(scope="module")
@@ -136,11 +139,68 @@ def operator(
     op = OperatorProcess(op_namespace, tmp_path_factory.mktemp("operator") / "operator.log")
     op.start()
     yield op
-    # Delete what the operator manages while it still runs (its finalizers need it).
-    for kind in ("checkpoints.rekindle.dev", "inferenceservices.rekindle.dev"):
-        kubectl("delete", kind, "--all", "-n", op_namespace, "--timeout=60s", check=False)
+    wind_down(op_namespace)
     op.kill(signal.SIGTERM)
     print(f"operator log tail:\n{op.tail()}")
+
+
+def wind_down(namespace: str) -> None:
+    """Remove what a module left in namespace while its operator still runs.
+
+    Its pods go first (scaled to zero), so no Checkpoint waits for a replica that maps
+    it; then the Checkpoints, whose data the operator removes with a Job (waited for);
+    then the InferenceServices, without waiting: their deletion has nothing to do but
+    kopf's finalizer, which the operator can hold for a minute when a status timer is
+    running at that moment (kopf polls a busy timer every 60 s), and which op_namespace
+    lifts once the operator is stopped."""
+    kubectl("scale", "rkis", "--all", "-n", namespace, "--replicas=0", check=False)
+    with contextlib.suppress(AssertionError):
+        wait_until(
+            "the InferenceServices' pods gone",
+            lambda: (
+                not kubectl(
+                    "get", "pods", "-n", namespace, "-l", LABEL, "-o", "name", check=False
+                ).stdout.strip()
+            ),
+            120,
+        )
+    kubectl("delete", CKPT_CRD, "--all", "-n", namespace, "--timeout=60s", check=False)
+    finish_jobs(namespace)
+    kubectl("delete", ISVC_CRD, "--all", "-n", namespace, "--wait=false", check=False)
+
+
+CKPT_CRD, ISVC_CRD = "checkpoints.rekindle.dev", "inferenceservices.rekindle.dev"
+LABEL = "rekindle.dev/inferenceservice"
+
+
+def release(namespace: str) -> None:
+    """Lift the finalizers a stopped operator left, so the namespace can go."""
+    for kind in (CKPT_CRD, ISVC_CRD):
+        items = kubectl("get", kind, "-n", namespace, "-o", "name", check=False).stdout.split()
+        for item in items:
+            kubectl(
+                "patch", item, "-n", namespace, "--type=merge",
+                "-p", '{"metadata":{"finalizers":null}}', check=False,
+            )  # fmt: skip
+
+
+def finish_jobs(namespace: str, timeout: float = 120) -> None:
+    """Wait (bounded) for the cleanup Jobs of deleted Checkpoints to end, so that whatever
+    removes the module's storage afterwards does not race them (both removing the same
+    files, one fails on a file the other just removed)."""
+
+    def done() -> bool:
+        jobs = kubectl_json("get", "jobs", "-n", namespace)["items"]
+        return all(
+            any(
+                c.get("type") in ("Complete", "Failed") and c.get("status") == "True"
+                for c in (j.get("status") or {}).get("conditions") or []
+            )
+            for j in jobs
+        )
+
+    with contextlib.suppress(AssertionError):  # teardown: what is left, host_dir removes
+        wait_until("the cleanup Jobs to end", done, timeout)
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +216,11 @@ def run_plugin(
     env: dict[str, str], *args: str, timeout: float = 900
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        ["kubectl", "rekindle", *args], env=env, capture_output=True, text=True, timeout=timeout
+        [require_tool("kubectl"), "rekindle", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -164,7 +228,7 @@ def require_image(image: str = RUNTIME_IMAGE, build: str = "runtime-cpu") -> Non
     """`make images` loads the local images into the node; say how if one is missing."""
     out = subprocess.run(
         [
-            "ctr",
+            require_tool("ctr"),
             "--address",
             "/run/rekindle-cluster/containerd/containerd.sock",
             "-n",

@@ -1,40 +1,54 @@
 """The operator end to end on the real local cluster, with the real CPU runtime image.
 
-One InferenceService is shared by the module (each vLLM boot costs ~30-60 s),
-serving the trained SmolLM2 (examples/smollm2-cpu.yaml), so "the same output"
-after a restore is also a right one ("Paris"):
-serve -> checkpoint -> scale 0->1 restores with identical greedy output ->
-a corrupted checkpoint boots normally and says why -> the operator killed
-mid-checkpoint recovers -> a Checkpoint deleted while a restored replica maps
-it waits for that replica (which keeps serving the same answers) -> deleting
-cleans up. Refusals that need the
-operator (a Checkpoint naming a missing InferenceService, /dev/shm below the
-full computed need) run beside it.
+One InferenceService is shared by the module (a SmolLM2 boot costs about a
+minute on 2 cores), serving the trained SmolLM2 (examples/smollm2-cpu.yaml),
+so "the same output" after a restore is also a right one ("Paris"). Its
+agent's admin API is served over TLS (spec.adminTLS: a CA and a server
+certificate for the default name NAME.NAMESPACE.svc, made with openssl, in a
+kubernetes.io/tls Secret with ca.crt, as cert-manager writes it): the pod's
+probes go over HTTPS (or it never becomes Ready), the operator reads the
+agent's status over HTTPS verifying the certificate against the Secret's CA
+(or status.pods[] stays "unknown"), and every checkpoint, restore and
+recovery below goes over that channel. Its two checkpoints are module
+fixtures, taken on first use, so that every test also runs alone
+(`pytest path::test`):
+- `first`: `kubectl rekindle checkpoint --wait` of the booted replica;
+- `second`: a Checkpoint object during which the operator is killed (once the
+  agent is at work, so that there is one right outcome) and started again.
+
+serve -> `first` Ready, scale 0->1 restores with identical greedy output ->
+a corrupted checkpoint boots normally and says it was the checksum (the file
+is repaired afterwards) -> the operator killed mid-checkpoint recovers: the
+checkpoint is recorded Ready from the agent's status, the same pod is back in
+the Service, nothing is left over -> a Checkpoint deleted while a restored
+replica maps it waits for that replica (which keeps serving the same answers)
+-> deleting cleans up. Refusals that need the operator (a Checkpoint naming a
+missing InferenceService, /dev/shm below the full computed need, a TLS Secret
+that does not exist) run beside it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import socket
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from rekindle_agent import immutable
-from rekindle_agent.immutable import remove_tree
+from rekindle_operator.pods import BUSY_STATES
 from rekindle_operator.quantity import to_bytes
 from rekindle_operator.shm_sizing import shm_need
 from rekindle_operator.spec import parse_spec
 
-from tests.cluster.cluster_tools import kubectl, kubectl_json, wait_until
+from tests.cluster.cluster_tools import kubectl, kubectl_json, require_tool, wait_until
 from tests.cluster.operator_fixtures import (
     OperatorProcess,
     apply,
     data_dir,
     get,
+    host_dir,
     http_json,
     isvc_manifest,
     kubectl_rekindle,
@@ -46,20 +60,13 @@ from tests.cluster.operator_fixtures import (
     service_url,
     wait_status,
 )
+from tests.unit.tls_certs import make_ca, make_server_cert
 
-__all__ = ["kubectl_rekindle", "op_namespace", "operator"]  # fixtures used by name
+__all__ = ["host_dir", "kubectl_rekindle", "op_namespace", "operator"]  # fixtures used by name
 
 pytestmark = pytest.mark.cluster
 NAME = "smollm2"
 PROMPTS = ("Hello, my name is", "The capital of France is", "1, 2, 3, 4,")
-
-
-@pytest.fixture(scope="module")
-def host_dir(op_namespace: str) -> Iterator[Path]:
-    path = Path(f"/var/lib/rekindle/test-{op_namespace}")
-    yield path
-    with contextlib.suppress(OSError):
-        remove_tree(path)  # immutable pages images: rm -rf cannot
 
 
 def isvc(ns: str) -> dict[str, Any]:
@@ -118,9 +125,30 @@ def scale_zero_then_one(ns: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def served(operator: OperatorProcess, op_namespace: str, host_dir: Path) -> dict[str, Any]:
+def tls_secret(op_namespace: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A CA and a server certificate for NAME.NAMESPACE.svc, as cert-manager stores them."""
+    require_tool("openssl")  # makes the CA and the certificate: a machine without it fails
+    d = tmp_path_factory.mktemp("pki")
+    ca = make_ca(d)
+    cert = make_server_cert(ca, d, f"{NAME}.{op_namespace}.svc")
+    kubectl(
+        "create", "secret", "generic", "admin-tls", "-n", op_namespace,
+        "--type=kubernetes.io/tls", f"--from-file=tls.crt={cert.cert}",
+        f"--from-file=tls.key={cert.key}", f"--from-file=ca.crt={ca.cert}",
+    )  # fmt: skip
+    return "admin-tls"
+
+
+@pytest.fixture(scope="module")
+def served(
+    host_dir: Path, operator: OperatorProcess, op_namespace: str, tls_secret: str
+) -> dict[str, Any]:
+    """SmolLM2 booted and Ready; the operator saw its agent say so over TLS."""
     require_runtime_image()
-    r = apply(isvc_manifest(NAME, str(host_dir), example="smollm2-cpu.yaml"), op_namespace)
+    doc = isvc_manifest(
+        NAME, str(host_dir), example="smollm2-cpu.yaml", adminTLS={"secretName": tls_secret}
+    )
+    r = apply(doc, op_namespace)
     assert r.returncode == 0, r.stderr
     obj = ready_with(op_namespace, "booted")
     return {"url": service_url(NAME, op_namespace), "isvc": obj}
@@ -179,33 +207,125 @@ def test_chat_completion_through_the_service(served: dict[str, Any]) -> None:
     wait_until(
         "vLLM's request line in kubectl logs",
         lambda: any("/v1/chat/completions" in ln for ln in vllm_lines()),
-        30,
+        90,
     )
+
+
+def test_admin_api_over_tls(
+    served: dict[str, Any], first: dict[str, Any], op_namespace: str
+) -> None:
+    """Probes over HTTPS, the agent's status read over HTTPS (the replica's origin is
+    known only from it), and a checkpoint taken over the same verified channel."""
+    assert served["isvc"]["spec"]["adminTLS"]["secretName"] == "admin-tls"
+    pod = served["isvc"]["status"]["pods"][0]
+    assert pod["ready"] is True and pod["origin"] == "booted", pod
+    (running,) = pods_of(NAME, op_namespace)
+    c = running["spec"]["containers"][0]
+    assert c["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    assert "--admin-tls-cert" in c["command"]
+    assert first["checkpoint"]["status"]["phase"] == "Ready", first["checkpoint"]["status"]
+
+
+def test_missing_tls_secret_is_reported(operator: OperatorProcess, op_namespace: str) -> None:
+    r = apply(
+        isvc_manifest("no-secret", "/var/lib/rekindle/unused", adminTLS={"secretName": "nope"}),
+        op_namespace,
+    )
+    assert r.returncode == 0, r.stderr
+    obj = wait_status(
+        "rkis", "no-secret", op_namespace, "the missing Secret named in status",
+        lambda o: "nope" in str((o.get("status") or {}).get("message", "")), 120,
+    )  # fmt: skip
+    assert "does not exist" in obj["status"]["message"]
+    deployments = kubectl_json("get", "deployments", "-n", op_namespace)["items"]
+    assert not [d for d in deployments if d["metadata"]["name"] == "no-secret"]
+    kubectl("delete", "rkis", "no-secret", "-n", op_namespace, "--wait=false")
+
+
+@pytest.fixture(scope="module")
+def first(
+    served: dict[str, Any], before: list[str], op_namespace: str, kubectl_rekindle: dict[str, str]
+) -> dict[str, Any]:
+    """Checkpoint "first" of the booted replica (after the oracle was read), through the
+    plugin: its output and the Checkpoint once Ready."""
+    r = run_plugin(
+        kubectl_rekindle, "-n", op_namespace, "checkpoint", NAME,
+        "--checkpoint-name", "first", "--wait", "--timeout", "900",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    ck = get("rkcp", "first", op_namespace)
+    assert ck is not None
+    return {"output": r.stdout, "checkpoint": ck}
+
+
+def agent_at_work(name: str, ns: str, timeout: float = 180) -> dict[str, Any]:
+    """The Checkpoint as soon as the operator has recorded its agent at work.
+
+    The agent is busy for a few seconds only (SmolLM2: about 9 s from Running to
+    Ready), so this polls fast, with no other call in the loop; a Checkpoint that
+    finishes first fails here, saying so, rather than giving a test of nothing."""
+    deadline = time.monotonic() + timeout
+    last: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        last = get("rkcp", name, ns) or {}
+        st = last.get("status") or {}
+        if st.get("phase") == "Running" and st.get("agentState") in BUSY_STATES:
+            return last
+        if st.get("phase") in ("Ready", "Failed"):
+            raise AssertionError(f"{name} finished before its agent was seen at work: {st}")
+        time.sleep(0.2)
+    raise AssertionError(f"{name}: its agent not seen at work in {timeout:.0f}s: {last}")
+
+
+@pytest.fixture(scope="module")
+def second(
+    served: dict[str, Any], before: list[str], op_namespace: str, operator: OperatorProcess
+) -> dict[str, Any]:
+    """Checkpoint "second", during which the operator is killed and started again.
+
+    The kill comes once the agent reports it is at work (draining, dumping or restoring
+    to verify): from then on the
+    agent finishes on its own, so the one right outcome is Ready, recorded by the new
+    operator process from the agent's status (docs/operator.md, "Operator restarted
+    mid-checkpoint"). Killed before the agent has begun, the outcome would depend on an
+    instant (the documented OperatorRestarted case)."""
+    ck = {
+        "apiVersion": "rekindle.dev/v1alpha1",
+        "kind": "Checkpoint",
+        "metadata": {"name": "second"},
+        "spec": {"inferenceService": NAME},
+    }
+    assert apply(ck, op_namespace).returncode == 0
+    running = agent_at_work("second", op_namespace)
+    operator.kill(signal.SIGKILL)  # returns once the process group is gone
+    assert not operator.alive()
+    operator.start()
+    done = wait_status(
+        "rkcp",
+        "second",
+        op_namespace,
+        "Ready or Failed",
+        lambda o: (o.get("status") or {}).get("phase") in ("Ready", "Failed"),
+        900,
+    )
+    return {"running": running, "done": done}
 
 
 def test_checkpoint_ready_then_new_replica_restores_with_same_output(
-    served: dict[str, Any], before: list[str], op_namespace: str, kubectl_rekindle: dict[str, str]
+    served: dict[str, Any],
+    before: list[str],
+    first: dict[str, Any],
+    op_namespace: str,
+    kubectl_rekindle: dict[str, str],
 ) -> None:
-    r = run_plugin(
-        kubectl_rekindle,
-        "-n",
-        op_namespace,
-        "checkpoint",
-        NAME,
-        "--checkpoint-name",
-        "first",
-        "--wait",
-        "--timeout",
-        "900",
-    )
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "Ready:" in r.stdout
-    ck = get("rkcp", "first", op_namespace)
-    assert ck is not None
+    assert "Ready:" in first["output"], first["output"]
+    ck = first["checkpoint"]
     st = ck["status"]
     assert st["phase"] == "Ready" and st["sizeBytes"] > 0 and st["phaseSeconds"]
+    assert st["verified"] is True
     assert st["fingerprint"] == isvc(op_namespace)["status"]["fingerprint"]
-    assert data_dir(served["isvc"]["spec"]["coldStart"]["storage"]["hostPath"]["path"], ck).is_dir()
+    host = served["isvc"]["spec"]["coldStart"]["storage"]["hostPath"]["path"]
+    assert data_dir(host, ck).is_dir()
     assert st["subPath"] == f"{op_namespace}/{NAME}"
     wait_status(
         "rkis",
@@ -227,11 +347,7 @@ def test_checkpoint_ready_then_new_replica_restores_with_same_output(
     assert obj["status"]["pods"][0]["agentReadySeconds"] > 0, obj["status"]["pods"]
     # vLLM's tree passed every check for the zero-copy restore; its images are immutable.
     assert obj["status"]["pods"][0]["memory"] == "mmap", obj["status"]["pods"]
-    pages = sorted(
-        data_dir(served["isvc"]["spec"]["coldStart"]["storage"]["hostPath"]["path"], ck).glob(
-            "images/pages-*.img"
-        )
-    )
+    pages = sorted(data_dir(host, ck).glob("images/pages-*.img"))
     assert pages and all(immutable.is_immutable(p) for p in pages)
     assert completions(served["url"]) == before
 
@@ -240,84 +356,148 @@ def test_checkpoint_ready_then_new_replica_restores_with_same_output(
     assert "memory mmap" in status.stdout, status.stdout
 
 
-def test_corrupted_checkpoint_boots_normally_and_says_why(
-    served: dict[str, Any], before: list[str], op_namespace: str, host_dir: Path
-) -> None:
-    ck = get("rkcp", "first", op_namespace)
-    assert ck is not None
-    where = data_dir(host_dir, ck)
-    images = sorted(where.rglob("pages-*.img"), key=lambda p: p.stat().st_size)
-    assert images, f"no CRIU pages image under {where}"
-    with pytest.raises(PermissionError):  # immutable: root cannot write it as it is
-        images[-1].open("r+b")
-    immutable.set_immutable(images[-1], False)  # what a root attacker on the node would do
-    with images[-1].open("r+b") as f:  # flip bytes in the middle of the biggest image
-        f.seek(images[-1].stat().st_size // 2)
+def in_use(ns: str) -> dict[str, Any]:
+    """The Checkpoint new replicas restore from (status.checkpoint of the service)."""
+    obj = wait_status(
+        "rkis",
+        NAME,
+        ns,
+        "a checkpoint in use",
+        lambda o: bool((o.get("status") or {}).get("checkpoint")),
+        60,
+    )
+    ck = get("rkcp", obj["status"]["checkpoint"], ns)
+    assert ck is not None and ck["status"]["phase"] == "Ready", ck
+    return ck
+
+
+def flip_middle(image: Path) -> None:
+    """XOR 4 KiB in the middle of image with 0xFF (doing it again undoes it)."""
+    with image.open("r+b") as f:
+        f.seek(image.stat().st_size // 2)
         chunk = f.read(4096)
         f.seek(-len(chunk), 1)
         f.write(bytes(b ^ 0xFF for b in chunk))
-    scale_zero_then_one(op_namespace)
-    obj = ready_with(op_namespace, "booted")
-    pod = obj["status"]["pods"][0]
-    assert pod["reason"] and "no checkpoint" not in pod["reason"], pod
-    cond = {c["type"]: c for c in obj["status"]["conditions"]}["Restored"]
-    assert cond["status"] == "False" and pod["reason"][:40] in cond["message"]
-    events = kubectl_json(
-        "get", "events", "-n", op_namespace, "--field-selector", f"involvedObject.name={NAME}"
-    )["items"]
-    assert any(e["reason"] == "RestoredSomeBooted" for e in events)
-    assert completions(served["url"]) == before
+
+
+def test_corrupted_checkpoint_boots_normally_and_says_why(
+    served: dict[str, Any], before: list[str], first: dict[str, Any], op_namespace: str,
+    host_dir: Path,
+) -> None:  # fmt: skip
+    ck = in_use(op_namespace)
+    where = data_dir(host_dir, ck)
+    images = sorted(where.rglob("pages-*.img"), key=lambda p: p.stat().st_size)
+    assert images, f"no CRIU pages image under {where}"
+    biggest = images[-1]
+    # No replica maps the file while it is changed (as if the node's disk went bad).
+    scale(op_namespace, 0)
+    wait_until("no pods left", lambda: not pods_of(NAME, op_namespace), 180)
+    with pytest.raises(PermissionError):  # immutable: root cannot write it as it is
+        biggest.open("r+b")
+    immutable.set_immutable(biggest, False)  # what a root attacker on the node would do
+    flip_middle(biggest)
+    try:
+        scale(op_namespace, 1)
+        obj = ready_with(op_namespace, "booted")
+        pod = obj["status"]["pods"][0]
+        # The agent checked the file against the manifest, named it and fell back.
+        assert pod["reason"].startswith("checksum_mismatch: "), pod
+        assert str(biggest.relative_to(where)) in pod["reason"], pod
+        assert "differs from the manifest" in pod["reason"], pod
+        cond = {c["type"]: c for c in obj["status"]["conditions"]}["Restored"]
+        assert cond["status"] == "False" and pod["reason"][:40] in cond["message"], cond
+        events = kubectl_json(
+            "get", "events", "-n", op_namespace, "--field-selector", f"involvedObject.name={NAME}"
+        )["items"]
+        assert any(e["reason"] == "RestoredSomeBooted" for e in events)
+        assert completions(served["url"]) == before
+    finally:
+        # The checkpoint as it was, for whatever restores from it next.
+        flip_middle(biggest)
+        immutable.set_immutable(biggest, True)
 
 
 def test_operator_killed_mid_checkpoint_recovers(
-    served: dict[str, Any], op_namespace: str, operator: OperatorProcess
+    served: dict[str, Any],
+    before: list[str],
+    second: dict[str, Any],
+    op_namespace: str,
+    host_dir: Path,
+    operator: OperatorProcess,
 ) -> None:
-    ck = {
-        "apiVersion": "rekindle.dev/v1alpha1",
-        "kind": "Checkpoint",
-        "metadata": {"name": "second"},
-        "spec": {"inferenceService": NAME},
-    }
-    assert apply(ck, op_namespace).returncode == 0
-    wait_status(
-        "rkcp",
-        "second",
-        op_namespace,
-        "Running",
-        lambda o: (o.get("status") or {}).get("phase") == "Running",
-        120,
-    )
-    operator.kill(signal.SIGKILL)
-    time.sleep(2)
-    operator.start()
-    done = wait_status(
-        "rkcp",
-        "second",
-        op_namespace,
-        "Ready or Failed",
-        lambda o: (o.get("status") or {}).get("phase") in ("Ready", "Failed"),
-        900,
-    )
-    if done["status"]["phase"] == "Failed":
-        assert done["status"]["reason"] in ("OperatorRestarted", "AgentCheckpointFailed")
-        assert done["status"]["message"], done["status"]
+    st, pod_name = second["done"]["status"], second["running"]["status"]["pod"]
+    # The new operator process recorded the checkpoint the agent finished.
+    assert st["phase"] == "Ready", st
+    assert st["reason"] == "Verified", st
+    assert st["message"] == (
+        "checkpoint written and restored once by the agent "
+        "(recorded after an operator restart, from the agent's status)"
+    ), st
+    assert st["pod"] == pod_name and st["verified"] is True, st
+    events = kubectl_json(
+        "get", "events", "-n", op_namespace, "--field-selector", "involvedObject.name=second"
+    )["items"]
+    assert any(
+        e["reason"] == "CheckpointReady"
+        and e["message"] == f"pod {pod_name} finished it while the operator restarted"
+        for e in events
+    ), [(e["reason"], e["message"]) for e in events]
+    data = data_dir(host_dir, second["done"])
+    assert (data / "manifest.json").is_file(), sorted(p.name for p in data.iterdir())
+    # Nothing left over: the same pod (not a replacement), back in the Service; no
+    # Checkpoint still running; the service Ready and pointing at the new checkpoint.
     wait_until(
         "the pod back in the Service",
-        lambda: all(
-            p["metadata"]["labels"].get("rekindle.dev/serving") == "true"
-            for p in pods_of(NAME, op_namespace)
+        lambda: (
+            [
+                (p["metadata"]["name"], p["metadata"]["labels"].get(SERVING))
+                for p in pods_of(NAME, op_namespace)
+            ]
+            == [(pod_name, "true")]
         ),
         120,
     )
-    wait_status(
+    wait_until(
+        f"the Service's only endpoint to be {pod_name}",
+        lambda: ready_endpoints(op_namespace) == [pod_name],
+        120,
+    )
+    obj = wait_status(
         "rkis",
         NAME,
         op_namespace,
-        "Ready",
-        lambda o: (o.get("status") or {}).get("phase") == "Ready",
-        300,
+        "Ready, new replicas pointed at second",
+        lambda o: (
+            (o.get("status") or {}).get("phase") == "Ready"
+            and (o.get("status") or {}).get("checkpoint") == "second"
+        ),
+        120,
     )
-    assert completions(served["url"])
+    assert [p["name"] for p in obj["status"]["pods"]] == [pod_name], obj["status"]["pods"]
+    assert obj["status"]["pods"][0]["ready"] is True, obj["status"]["pods"]
+    phases = {
+        c["metadata"]["name"]: (c.get("status") or {}).get("phase")
+        for c in kubectl_json("get", "rkcp", "-n", op_namespace)["items"]
+    }
+    assert not [n for n, ph in phases.items() if ph not in ("Ready", "Failed")], phases
+    assert operator.alive(), operator.tail()
+    assert completions(served["url"]) == before
+
+
+SERVING = "rekindle.dev/serving"
+
+
+def ready_endpoints(ns: str) -> list[str]:
+    """Names of the pods the Service routes to (its EndpointSlices' ready endpoints)."""
+    slices = kubectl_json(
+        "get", "endpointslices", "-n", ns, "-l", f"kubernetes.io/service-name={NAME}"
+    )["items"]
+    return sorted(
+        ep["targetRef"]["name"]
+        for sl in slices
+        for ep in sl.get("endpoints") or []
+        if (ep.get("conditions") or {}).get("ready") and ep.get("targetRef")
+    )
 
 
 def test_checkpoint_naming_missing_isvc_fails_at_once(
@@ -364,34 +544,22 @@ def test_shm_below_full_need_refused_by_operator(
     )["items"]
     assert any(e["reason"] == "SharedMemorySizedBelowNeed" for e in events)
     assert kubectl("get", "deploy", "undersized", "-n", op_namespace, check=False).returncode != 0
-    kubectl("delete", "rkis", "undersized", "-n", op_namespace)
+    kubectl("delete", "rkis", "undersized", "-n", op_namespace, "--wait=false")
 
 
 def test_deleting_a_checkpoint_a_replica_maps_waits_for_the_replica(
     served: dict[str, Any],
     before: list[str],
+    second: dict[str, Any],
     op_namespace: str,
     host_dir: Path,
-    kubectl_rekindle: dict[str, str],
 ) -> None:
-    r = run_plugin(
-        kubectl_rekindle,
-        "-n",
-        op_namespace,
-        "checkpoint",
-        NAME,
-        "--checkpoint-name",
-        "third",
-        "--wait",
-        "--timeout",
-        "900",
-    )
-    assert r.returncode == 0, r.stdout + r.stderr
-    ck = get("rkcp", "third", op_namespace)
-    assert ck is not None
+    ck = second["done"]
+    assert ck["status"]["phase"] == "Ready", ck["status"]
     path, data = ck["status"]["path"], data_dir(host_dir, ck)
     scale_zero_then_one(op_namespace)
-    ready_with(op_namespace, "restored")
+    obj = ready_with(op_namespace, "restored")
+    assert obj["status"]["checkpoint"] == "second", obj["status"]
 
     def annotated() -> bool:
         pods = pods_of(NAME, op_namespace)
@@ -400,18 +568,23 @@ def test_deleting_a_checkpoint_a_replica_maps_waits_for_the_replica(
 
     wait_until("the replica to report it was restored from the checkpoint", annotated, 60)
     (pod,) = pods_of(NAME, op_namespace)
-    kubectl("delete", "rkcp", "third", "-n", op_namespace, "--wait=false")
+    kubectl("delete", "rkcp", "second", "-n", op_namespace, "--wait=false")
     wait_until(
         "the deletion to say it waits for the replica",
         lambda: any(
             e["reason"] == "CheckpointDeletionWaiting" and pod["metadata"]["name"] in e["message"]
             for e in kubectl_json(
-                "get", "events", "-n", op_namespace, "--field-selector", "involvedObject.name=third"
+                "get",
+                "events",
+                "-n",
+                op_namespace,
+                "--field-selector",
+                "involvedObject.name=second",
             )["items"]
         ),
         60,
     )
-    kept = get("rkcp", "third", op_namespace)
+    kept = get("rkcp", "second", op_namespace)
     assert kept is not None and kept["metadata"].get("deletionTimestamp")
     assert data.is_dir() and any(data.rglob("pages-*.img"))
     # The restored replica maps the checkpoint's files: it keeps serving the same answers.
@@ -419,26 +592,39 @@ def test_deleting_a_checkpoint_a_replica_maps_waits_for_the_replica(
     assert data.is_dir()
     # Once no pod maps it, the Checkpoint goes and so does its data.
     scale(op_namespace, 0)
-    wait_until("the Checkpoint gone", lambda: get("rkcp", "third", op_namespace) is None, 240)
+    wait_until("the Checkpoint gone", lambda: get("rkcp", "second", op_namespace) is None, 240)
     wait_until(f"{data} removed", lambda: not data.exists(), 180)
 
 
 def test_delete_cleans_up_owned_objects_and_checkpoint_data(
-    served: dict[str, Any], op_namespace: str, host_dir: Path
+    served: dict[str, Any], first: dict[str, Any], op_namespace: str, host_dir: Path
 ) -> None:
-    ck = get("rkcp", "first", op_namespace)
-    assert ck is not None
-    data = data_dir(host_dir, ck)
-    assert data.is_dir()
+    """Deleting the InferenceService takes everything it owns with it, every Checkpoint of
+    it and their data (so this runs last: it deletes the module's service)."""
+    mine = [
+        c
+        for c in kubectl_json("get", "rkcp", "-n", op_namespace)["items"]
+        if c["spec"]["inferenceService"] == NAME and (c.get("status") or {}).get("path")
+    ]
+    assert "first" in [c["metadata"]["name"] for c in mine], mine
+    datas = [data_dir(host_dir, c) for c in mine]
+    assert all(d.is_dir() for d in datas), datas
     kubectl("delete", "rkis", NAME, "-n", op_namespace, "--wait=false")
-    for kind, name in (
+    owned = [
         ("deploy", NAME),
         ("svc", NAME),
         ("secret", f"{NAME}-agent-token"),
         ("configmap", f"{NAME}-rekindle"),
-        ("rkcp", "first"),
-    ):
-        wait_until(
-            f"{kind}/{name} deleted", lambda k=kind, n=name: get(k, n, op_namespace) is None, 180
-        )
-    wait_until(f"{data} removed (deletionPolicy Delete)", lambda: not data.exists(), 180)
+        *(("rkcp", c["metadata"]["name"]) for c in mine),
+    ]
+    wait_until(
+        f"{', '.join(f'{k}/{n}' for k, n in owned)} deleted",
+        lambda: all(get(k, n, op_namespace) is None for k, n in owned),
+        180,
+    )
+    wait_until(
+        f"{', '.join(map(str, datas))} removed (deletionPolicy Delete)",
+        lambda: not any(d.exists() for d in datas),
+        180,
+    )
+    assert not pods_of(NAME, op_namespace)

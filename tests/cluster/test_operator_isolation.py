@@ -35,7 +35,9 @@ from tests.cluster.operator_fixtures import (
     install_crds,
     isvc_manifest,
     pods_of,
+    release,
     require_runtime_image,
+    wind_down,
 )
 
 pytestmark = pytest.mark.cluster
@@ -45,15 +47,6 @@ MOUNT = "/var/lib/rekindle/checkpoints"
 # InferenceService gets a NetworkPolicy naming them (the local CNI bridge does not
 # enforce NetworkPolicy, so the operator running here still reaches the agents).
 OPERATOR_LABELS = "app.kubernetes.io/name=rekindle-test-operator"
-
-
-def _release(ns: str) -> None:
-    for kind in ("checkpoints.rekindle.dev", "inferenceservices.rekindle.dev"):
-        for item in kubectl("get", kind, "-n", ns, "-o", "name", check=False).stdout.split():
-            kubectl(
-                "patch", item, "-n", ns, "--type=merge", "-p", '{"metadata":{"finalizers":null}}',
-                check=False,
-            )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -79,11 +72,11 @@ def two(
         yield {"a": a, "b": b, "root": root, "operator": op}
     finally:
         for ns in (a, b):
-            kubectl("delete", "rkis", "--all", "-n", ns, "--timeout=60s", check=False)
+            wind_down(ns)
         op.kill(signal.SIGTERM)
         print(f"operator log tail:\n{op.tail()}")
         for ns in (a, b):
-            _release(ns)
+            release(ns)
             kubectl("delete", "namespace", ns, "--wait=false", check=False)
         with contextlib.suppress(OSError):
             remove_tree(root)  # immutable pages images: rm -rf cannot
@@ -241,4 +234,4 @@ def test_image_outside_the_allowed_list_is_refused_by_the_operator(two: dict[str
 
     wait_until("evil Failed with the reason", failed, 60)
     assert kubectl("get", "deploy", "evil", "-n", b, check=False).returncode != 0
-    kubectl("delete", "rkis", "evil", "-n", b, "--timeout=60s", check=False)
+    kubectl("delete", "rkis", "evil", "-n", b, "--wait=false", check=False)

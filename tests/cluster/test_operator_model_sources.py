@@ -1,7 +1,9 @@
 """Models that are not in the image, served for real on the local cluster.
 
 The project's tiny model is generated into a directory on the node (this
-machine), then served by one InferenceService at a time (replicas 1):
+machine), then served by three InferenceServices (replicas 1), applied
+together by one module fixture so that their vLLMs boot side by side (half a
+core requested each; a test run alone still gets all three):
 
 - from a PVC: a hostPath-backed PersistentVolume bound to a claim in the
   test's namespace, the model in a subPath of it;
@@ -11,7 +13,8 @@ machine), then served by one InferenceService at a time (replicas 1):
   node's cache and vLLM serves from there.
 
 Each checks the pod mounts the model read-only, vLLM loads it from the
-mount, and a completion comes back through the Service.
+mount, and a completion comes back through the Service. The operator fixture
+deletes the three when the module ends.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import pytest
 from rekindle_contract.model_cache import MODEL_CACHE_MOUNT, MODEL_MOUNT, model_path
 from rekindle_dev.models import TinyModelSpec, generate_tiny_model
 
-from tests.cluster.cluster_tools import kubectl, kubectl_json, wait_until
+from tests.cluster.cluster_tools import kubectl, kubectl_json
 from tests.cluster.operator_fixtures import (
     apply,
     http_json,
@@ -56,19 +59,119 @@ def node_dir(op_namespace: str) -> Iterator[Path]:
     shutil.rmtree(root, ignore_errors=True)
 
 
-def serve_and_check(ns: str, name: str, model: dict[str, Any], host_dir: Path) -> dict[str, Any]:
-    """Apply one InferenceService with model, wait for it to serve, complete once; its pod."""
-    require_runtime_image()
-    doc = isvc_manifest(name, str(host_dir / "checkpoints"))
+def isvc_with_model(name: str, model: dict[str, Any], host_dir: Path) -> dict[str, Any]:
+    """The tiny-cpu example with model as its source, small enough that three fit."""
+    doc = isvc_manifest(name, str(host_dir / "checkpoints"), resources=RESOURCES)
     doc["spec"]["model"] = {"servedName": name, **model}
-    r = apply(doc, ns)
+    return doc
+
+
+# CPU is a request, not a limit: three vLLMs boot side by side on the node's 2 cores.
+RESOURCES = {"cpu": "500m", "memory": "4Gi"}
+PV_CLAIM = "models"
+
+
+def pv_and_claim(ns: str, node_dir: Path) -> str:
+    """A hostPath PersistentVolume holding node_dir, bound to claim `models` in ns."""
+    pv = f"{ns}-models"
+    kubectl(
+        "apply",
+        "-f",
+        "-",
+        input=json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "PersistentVolume",
+                "metadata": {"name": pv},
+                "spec": {
+                    "capacity": {"storage": "1Gi"},
+                    "accessModes": ["ReadWriteOnce"],
+                    "storageClassName": "",
+                    "persistentVolumeReclaimPolicy": "Retain",
+                    "hostPath": {"path": str(node_dir), "type": "Directory"},
+                    "claimRef": {"namespace": ns, "name": PV_CLAIM},
+                },
+            }
+        ),
+    )
+    r = apply(
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {"name": PV_CLAIM},
+            "spec": {
+                "accessModes": ["ReadWriteOnce"],
+                "storageClassName": "",
+                "volumeName": pv,
+                "resources": {"requests": {"storage": "1Gi"}},
+            },
+        },
+        ns,
+    )
     assert r.returncode == 0, r.stderr
+    return pv
+
+
+def node_address() -> str:
+    node = kubectl_json("get", "nodes")["items"][0]
+    return next(a["address"] for a in node["status"]["addresses"] if a["type"] == "InternalIP")
+
+
+@pytest.fixture(scope="module")
+def applied(node_dir: Path, operator: Any, op_namespace: str) -> Iterator[dict[str, Any]]:
+    """The three InferenceServices, applied at once; the stand-in hub serves until the
+    module ends. Yields what the tests check against: the hub, its commit, the cache."""
+    require_runtime_image()
+    ns = op_namespace
+    pv = pv_and_claim(ns, node_dir)
+    hub_root = node_dir / "hub"
+    (hub_root / "rekindle").mkdir(parents=True)
+    shutil.copytree(node_dir / "tiny", hub_root / "rekindle" / "tiny")
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "hf-token"},
+        "data": {"HF_TOKEN": base64.b64encode(TOKEN.encode()).decode()},
+    }
+    assert apply(secret, ns).returncode == 0
+    cache = node_dir / "hf-cache"
+    try:
+        with serve(hub_root, token=TOKEN, host=node_address()) as hub:
+            models: dict[str, dict[str, Any]] = {
+                "onpvc": {"pvc": {"claimName": PV_CLAIM, "subPath": "tiny"}},
+                "onnode": {"hostPath": {"path": str(node_dir / "tiny")}},
+                "onhub": {
+                    "huggingFace": {
+                        "id": "rekindle/tiny",
+                        "tokenSecretRef": {"name": "hf-token"},
+                        "endpoint": hub.url,
+                        "cache": {"hostPath": {"path": str(cache)}},
+                    },
+                    "revision": "main",
+                },
+            }
+            for name, model in models.items():
+                r = apply(isvc_with_model(name, model, node_dir), ns)
+                assert r.returncode == 0, f"{name}: {r.stderr}"
+            yield {
+                "hub": hub,
+                "commit": repo_commit(hub_root / "rekindle" / "tiny"),
+                "cache": cache,
+                "models": models,
+            }
+    finally:
+        kubectl("delete", "pvc", PV_CLAIM, "-n", ns, "--wait=false", check=False)
+        kubectl("delete", "pv", pv, "--wait=false", check=False)
+
+
+def serving(ns: str, name: str) -> dict[str, Any]:
+    """Wait for the InferenceService to serve, complete once through its Service; its pod."""
 
     def ready(o: dict[str, Any]) -> bool:
         st = o.get("status") or {}
         return st.get("phase") == "Ready" and (st.get("readyReplicas") or 0) == 1
 
-    wait_status("rkis", name, ns, "1 replica Ready", ready, 600)
+    wait_status("rkis", name, ns, "1 replica Ready", ready, 900)
     (pod,) = pods_of(name, ns)
     url = service_url(name, ns)
     out = http_json(
@@ -76,6 +179,7 @@ def serve_and_check(ns: str, name: str, model: dict[str, Any], host_dir: Path) -
         {"model": name, "prompt": "Hello, my name is", "max_tokens": 4, "temperature": 0.0},
     )
     assert out["choices"][0]["text"]
+    assert out["usage"]["completion_tokens"] == 4, out["usage"]
     return pod
 
 
@@ -92,113 +196,38 @@ def vllm_model_arg(ns: str, pod: dict[str, Any]) -> str:
     return models[-1]
 
 
-def delete_isvc(ns: str, name: str) -> None:
-    kubectl("delete", "rkis", name, "-n", ns, "--timeout=120s", check=False)
-    wait_until(f"{name}'s pods gone", lambda: not pods_of(name, ns), 180)
-
-
-def test_model_on_a_pvc_serves_from_it(operator: Any, op_namespace: str, node_dir: Path) -> None:
-    ns, pv = op_namespace, f"{op_namespace}-models"
-    kubectl(
-        "apply",
-        "-f",
-        "-",
-        input=json.dumps(
-            {
-                "apiVersion": "v1",
-                "kind": "PersistentVolume",
-                "metadata": {"name": pv},
-                "spec": {
-                    "capacity": {"storage": "1Gi"},
-                    "accessModes": ["ReadWriteOnce"],
-                    "storageClassName": "",
-                    "persistentVolumeReclaimPolicy": "Retain",
-                    "hostPath": {"path": str(node_dir), "type": "Directory"},
-                    "claimRef": {"namespace": ns, "name": "models"},
-                },
-            }
-        ),
-    )
-    try:
-        r = apply(
-            {
-                "apiVersion": "v1",
-                "kind": "PersistentVolumeClaim",
-                "metadata": {"name": "models"},
-                "spec": {
-                    "accessModes": ["ReadWriteOnce"],
-                    "storageClassName": "",
-                    "volumeName": pv,
-                    "resources": {"requests": {"storage": "1Gi"}},
-                },
-            },
-            ns,
-        )
-        assert r.returncode == 0, r.stderr
-        pod = serve_and_check(
-            ns, "onpvc", {"pvc": {"claimName": "models", "subPath": "tiny"}}, node_dir
-        )
-        vol = next(v for v in pod["spec"]["volumes"] if v["name"] == "model")
-        assert vol["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
-        assert vllm_model_arg(ns, pod) == MODEL_MOUNT
-        # The subPath's content, read-only.
-        assert "model.safetensors" in exec_in(ns, pod, "ls", MODEL_MOUNT).stdout
-        touch = exec_in(ns, pod, "touch", f"{MODEL_MOUNT}/x")
-        assert touch.returncode != 0 and "Read-only file system" in touch.stderr
-        delete_isvc(ns, "onpvc")
-    finally:
-        kubectl("delete", "pvc", "models", "-n", ns, "--wait=false", check=False)
-        kubectl("delete", "pv", pv, "--wait=false", check=False)
+def test_model_on_a_pvc_serves_from_it(applied: dict[str, Any], op_namespace: str) -> None:
+    ns = op_namespace
+    pod = serving(ns, "onpvc")
+    vol = next(v for v in pod["spec"]["volumes"] if v["name"] == "model")
+    assert vol["persistentVolumeClaim"] == {"claimName": PV_CLAIM, "readOnly": True}
+    assert vllm_model_arg(ns, pod) == MODEL_MOUNT
+    # The subPath's content, read-only.
+    assert "model.safetensors" in exec_in(ns, pod, "ls", MODEL_MOUNT).stdout
+    touch = exec_in(ns, pod, "touch", f"{MODEL_MOUNT}/x")
+    assert touch.returncode != 0 and "Read-only file system" in touch.stderr
 
 
 def test_model_on_a_node_path_serves_from_it(
-    operator: Any, op_namespace: str, node_dir: Path
+    applied: dict[str, Any], op_namespace: str, node_dir: Path
 ) -> None:
     ns = op_namespace
-    pod = serve_and_check(ns, "onnode", {"hostPath": {"path": str(node_dir / "tiny")}}, node_dir)
+    pod = serving(ns, "onnode")
     vol = next(v for v in pod["spec"]["volumes"] if v["name"] == "model")
     assert vol["hostPath"] == {"path": str(node_dir / "tiny"), "type": "Directory"}
     assert vllm_model_arg(ns, pod) == MODEL_MOUNT
     touch = exec_in(ns, pod, "touch", f"{MODEL_MOUNT}/x")
     assert touch.returncode != 0 and "Read-only file system" in touch.stderr
-    delete_isvc(ns, "onnode")
-
-
-def node_address() -> str:
-    node = kubectl_json("get", "nodes")["items"][0]
-    return next(a["address"] for a in node["status"]["addresses"] if a["type"] == "InternalIP")
 
 
 def test_hugging_face_model_is_fetched_by_the_init_container_then_served(
-    operator: Any, op_namespace: str, node_dir: Path
+    applied: dict[str, Any], op_namespace: str, node_dir: Path
 ) -> None:
     """The init container downloads from a stand-in hub (on this machine's node address,
     the token from a Secret) into the node's cache; vLLM serves from the cache."""
-    ns = op_namespace
-    hub_root = node_dir / "hub"
-    (hub_root / "rekindle").mkdir(parents=True)
-    shutil.copytree(node_dir / "tiny", hub_root / "rekindle" / "tiny")
-    commit = repo_commit(hub_root / "rekindle" / "tiny")
-    cache = node_dir / "hf-cache"
-    secret = {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": {"name": "hf-token"},
-        "data": {"HF_TOKEN": base64.b64encode(TOKEN.encode()).decode()},
-    }
-    assert apply(secret, ns).returncode == 0
-    with serve(hub_root, token=TOKEN, host=node_address()) as hub:
-        model = {
-            "huggingFace": {
-                "id": "rekindle/tiny",
-                "tokenSecretRef": {"name": "hf-token"},
-                "endpoint": hub.url,
-                "cache": {"hostPath": {"path": str(cache)}},
-            },
-            "revision": "main",
-        }
-        pod = serve_and_check(ns, "onhub", model, node_dir)
-        downloads = hub.downloads()
+    ns, hub, commit, cache = op_namespace, applied["hub"], applied["commit"], applied["cache"]
+    pod = serving(ns, "onhub")
+    downloads = hub.downloads()
     (init,) = pod["spec"]["initContainers"]
     assert init["name"] == "fetch-model"
     token_env = next(e for e in init["env"] if e["name"] == "HF_TOKEN")
@@ -208,11 +237,10 @@ def test_hugging_face_model_is_fetched_by_the_init_container_then_served(
     assert sorted(downloads) == sorted(
         f"/rekindle/tiny/resolve/{commit}/{p.name}" for p in (node_dir / "tiny").iterdir()
     )
-    assert all(auth == f"Bearer {TOKEN}" for _, _, auth in hub.requests)
+    assert hub.requests and all(auth == f"Bearer {TOKEN}" for _, _, auth in hub.requests)
     snapshot = cache / "models--rekindle--tiny" / "snapshots" / commit
     assert sorted(p.name for p in snapshot.iterdir()) == sorted(
         p.name for p in (node_dir / "tiny").iterdir()
     )
     assert vllm_model_arg(ns, pod) == model_path("rekindle/tiny", "main")
     assert vllm_model_arg(ns, pod).startswith(MODEL_CACHE_MOUNT)
-    delete_isvc(ns, "onhub")

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rekindle_agent.immutable import remove_tree
 
 from tests.cluster.cluster_tools import kubectl, kubectl_json, wait_until
 from tests.cluster.operator_fixtures import (
@@ -34,6 +33,7 @@ from tests.cluster.operator_fixtures import (
     apply,
     data_dir,
     get,
+    host_dir,
     isvc_manifest,
     kubectl_rekindle,
     op_namespace,
@@ -44,7 +44,7 @@ from tests.cluster.operator_fixtures import (
     wait_status,
 )
 
-__all__ = ["kubectl_rekindle", "op_namespace", "operator"]  # fixtures used by name
+__all__ = ["host_dir", "kubectl_rekindle", "op_namespace", "operator"]  # fixtures used by name
 
 pytestmark = pytest.mark.cluster
 
@@ -76,14 +76,6 @@ def tainted(node: str) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def host_dir(op_namespace: str) -> Iterator[Path]:
-    path = Path(f"/var/lib/rekindle/test-{op_namespace}")
-    yield path
-    with contextlib.suppress(OSError):
-        remove_tree(path)  # immutable pages images: rm -rf cannot
-
-
-@pytest.fixture(scope="module")
 def secrets(op_namespace: str) -> None:
     """Secret `planted` (one key, for env valueFrom) and `bulk` (for envFrom)."""
     for name, key, value in (("planted", "token", PLANTED), ("bulk", "RK_BULK_SECRET", BULK)):
@@ -95,7 +87,7 @@ def secrets(op_namespace: str) -> None:
 
 @pytest.fixture(scope="module")
 def applied(
-    operator: OperatorProcess, op_namespace: str, host_dir: Path, secrets: None
+    host_dir: Path, operator: OperatorProcess, op_namespace: str, secrets: None
 ) -> Iterator[dict[str, str]]:
     """Both InferenceServices at zero replicas: their objects exist before the taint.
 
@@ -173,16 +165,16 @@ def test_toleration_and_node_selector_land_and_without_them_pending(
         scale(ns, PLACED, 1)
         scale(ns, BLOCKED, 1)
         # No namespace-wide unschedulable check here: the blocked pod is meant to be.
-        wait_until("the tolerating pod scheduled", lambda: scheduled_on(ns, PLACED) == node, 30)
+        wait_until("the tolerating pod scheduled", lambda: scheduled_on(ns, PLACED) == node, 90)
         wait_until(
             "the blocked replica's reason in the status",
             lambda: "untolerated taint" in blocked_reason(ns),
-            30,
+            90,
         )
         text = run_plugin(kubectl_rekindle, "-n", ns, "status", BLOCKED, timeout=60)
         # Free the node before asserting anything else: the blocked pod goes first.
         scale(ns, BLOCKED, 0)
-        wait_until("the blocked pod gone", lambda: not pods_of(BLOCKED, ns), 30)
+        wait_until("the blocked pod gone", lambda: not pods_of(BLOCKED, ns), 90)
     print(f"node tainted for {time.monotonic() - started:.1f}s")
 
     assert scheduled_on(ns, BLOCKED) is None

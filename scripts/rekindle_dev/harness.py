@@ -111,9 +111,17 @@ class AgentProc:
         # ports file left there would point ports() at that run's (dead, or
         # someone else's) agent before this one wrote its own.
         ports_file.unlink(missing_ok=True)
+        # In the log's directory, never the checkout: `python -m` puts the working directory
+        # on sys.path, and the agent fingerprints the package metadata it finds there (a pip
+        # install in the checkout between a dump and its restore would fail the restore).
         with log.open("wb") as out:
             self.proc = subprocess.Popen(
-                argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
+                argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=env,
+                cwd=log.parent,
             )
 
     def ports(self, timeout: float = 120) -> dict[str, int]:

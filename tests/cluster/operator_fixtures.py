@@ -213,7 +213,7 @@ def kubectl_rekindle() -> dict[str, str]:
 
 
 def run_plugin(
-    env: dict[str, str], *args: str, timeout: float = 900
+    env: dict[str, str], *args: str, timeout: float = 360
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [require_tool("kubectl"), "rekindle", *args],

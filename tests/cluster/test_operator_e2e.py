@@ -21,10 +21,10 @@ a corrupted checkpoint boots normally and says it was the checksum (the file
 is repaired afterwards) -> the operator killed mid-checkpoint recovers: the
 checkpoint is recorded Ready from the agent's status, the same pod is back in
 the Service, nothing is left over -> a Checkpoint deleted while a restored
-replica maps it waits for that replica (which keeps serving the same answers)
--> deleting cleans up. Refusals that need the operator (a Checkpoint naming a
-missing InferenceService, /dev/shm below the full computed need, a TLS Secret
-that does not exist) run beside it.
+replica maps it (its own, `third`) waits for that replica (which keeps
+serving the same answers) -> deleting cleans up. Refusals that need the
+operator (a Checkpoint naming a missing InferenceService, /dev/shm below the
+full computed need, a TLS Secret that does not exist) run beside it.
 """
 
 from __future__ import annotations
@@ -117,6 +117,19 @@ def accepts(url: str) -> bool:
 
 def scale(ns: str, n: int) -> None:
     kubectl("scale", f"rkis/{NAME}", "-n", ns, f"--replicas={n}")
+
+
+def one_replica(ns: str) -> dict[str, Any]:
+    """The service at one Ready replica, however it came up (a test before may have
+    left it at zero): what a checkpoint needs."""
+    scale(ns, 1)
+
+    def ok(o: dict[str, Any]) -> bool:
+        st = o.get("status") or {}
+        pods = st.get("pods") or []
+        return st.get("phase") == "Ready" and len(pods) == 1 and pods[0].get("ready") is True
+
+    return wait_status("rkis", NAME, ns, "1 replica Ready", ok, 600)
 
 
 def scale_zero_then_one(ns: str) -> None:
@@ -249,9 +262,10 @@ def first(
 ) -> dict[str, Any]:
     """Checkpoint "first" of the booted replica (after the oracle was read), through the
     plugin: its output and the Checkpoint once Ready."""
+    one_replica(op_namespace)
     r = run_plugin(
         kubectl_rekindle, "-n", op_namespace, "checkpoint", NAME,
-        "--checkpoint-name", "first", "--wait", "--timeout", "900",
+        "--checkpoint-name", "first", "--wait", "--timeout", "300",
     )  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
     ck = get("rkcp", "first", op_namespace)
@@ -296,6 +310,7 @@ def second(
         "metadata": {"name": "second"},
         "spec": {"inferenceService": NAME},
     }
+    one_replica(op_namespace)
     assert apply(ck, op_namespace).returncode == 0
     running = agent_at_work("second", op_namespace)
     operator.kill(signal.SIGKILL)  # returns once the process group is gone
@@ -550,16 +565,22 @@ def test_shm_below_full_need_refused_by_operator(
 def test_deleting_a_checkpoint_a_replica_maps_waits_for_the_replica(
     served: dict[str, Any],
     before: list[str],
-    second: dict[str, Any],
     op_namespace: str,
     host_dir: Path,
+    kubectl_rekindle: dict[str, str],
 ) -> None:
-    ck = second["done"]
-    assert ck["status"]["phase"] == "Ready", ck["status"]
+    one_replica(op_namespace)
+    r = run_plugin(
+        kubectl_rekindle, "-n", op_namespace, "checkpoint", NAME,
+        "--checkpoint-name", "third", "--wait", "--timeout", "300",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    ck = get("rkcp", "third", op_namespace)
+    assert ck is not None and ck["status"]["phase"] == "Ready", ck
     path, data = ck["status"]["path"], data_dir(host_dir, ck)
     scale_zero_then_one(op_namespace)
     obj = ready_with(op_namespace, "restored")
-    assert obj["status"]["checkpoint"] == "second", obj["status"]
+    assert obj["status"]["checkpoint"] == "third", obj["status"]
 
     def annotated() -> bool:
         pods = pods_of(NAME, op_namespace)
@@ -568,7 +589,7 @@ def test_deleting_a_checkpoint_a_replica_maps_waits_for_the_replica(
 
     wait_until("the replica to report it was restored from the checkpoint", annotated, 60)
     (pod,) = pods_of(NAME, op_namespace)
-    kubectl("delete", "rkcp", "second", "-n", op_namespace, "--wait=false")
+    kubectl("delete", "rkcp", "third", "-n", op_namespace, "--wait=false")
     wait_until(
         "the deletion to say it waits for the replica",
         lambda: any(
@@ -579,12 +600,12 @@ def test_deleting_a_checkpoint_a_replica_maps_waits_for_the_replica(
                 "-n",
                 op_namespace,
                 "--field-selector",
-                "involvedObject.name=second",
+                "involvedObject.name=third",
             )["items"]
         ),
         60,
     )
-    kept = get("rkcp", "second", op_namespace)
+    kept = get("rkcp", "third", op_namespace)
     assert kept is not None and kept["metadata"].get("deletionTimestamp")
     assert data.is_dir() and any(data.rglob("pages-*.img"))
     # The restored replica maps the checkpoint's files: it keeps serving the same answers.
@@ -592,7 +613,7 @@ def test_deleting_a_checkpoint_a_replica_maps_waits_for_the_replica(
     assert data.is_dir()
     # Once no pod maps it, the Checkpoint goes and so does its data.
     scale(op_namespace, 0)
-    wait_until("the Checkpoint gone", lambda: get("rkcp", "second", op_namespace) is None, 240)
+    wait_until("the Checkpoint gone", lambda: get("rkcp", "third", op_namespace) is None, 240)
     wait_until(f"{data} removed", lambda: not data.exists(), 180)
 
 
@@ -604,7 +625,7 @@ def test_delete_cleans_up_owned_objects_and_checkpoint_data(
     mine = [
         c
         for c in kubectl_json("get", "rkcp", "-n", op_namespace)["items"]
-        if c["spec"]["inferenceService"] == NAME and (c.get("status") or {}).get("path")
+        if c["spec"]["inferenceService"] == NAME and (c.get("status") or {}).get("phase") == "Ready"
     ]
     assert "first" in [c["metadata"]["name"] for c in mine], mine
     datas = [data_dir(host_dir, c) for c in mine]

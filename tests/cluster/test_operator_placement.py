@@ -295,7 +295,7 @@ def test_secret_env_reaches_vllm_and_appears_nowhere_else(
 
     r = run_plugin(
         kubectl_rekindle, "-n", ns, "checkpoint", PLACED, "--checkpoint-name", "planted",
-        "--wait", "--timeout", "900",
+        "--wait", "--timeout", "300",
     )  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
     ckpt = get("rkcp", "planted", ns)

@@ -125,11 +125,17 @@ def runtime_paths() -> list[Path]:
 
 def warm_paths(paths: list[Path]) -> None:
     """Read paths (files or trees) into the page cache: `vmtouch -t`, the tool for it (no
-    check is wanted here, unlike a restore's prefetch, which hashes what it reads)."""
+    check is wanted here, unlike a restore's prefetch, which hashes what it reads).
+
+    Twice: pages read once sit on the kernel's inactive list and are the first it evicts
+    when memory runs short (a 3B arm's data and runtime fill most of this VM), so a
+    single pass left some rows partly cold; a second touch marks them in use, as the
+    files of a node that served before are."""
     vmtouch = residency.vmtouch_binary()
     if vmtouch is None:
         raise RuntimeError("vmtouch is not installed: apt-get install vmtouch")
-    subprocess.run([vmtouch, "-t", "-q", *map(str, paths)], check=True, timeout=1800)
+    for _ in range(2):
+        subprocess.run([vmtouch, "-t", "-q", *map(str, paths)], check=True, timeout=1800)
 
 
 def residency_of(paths: list[Path]) -> dict[str, Any]:

@@ -238,10 +238,15 @@ class Agent:
         require_verified: bool,
         copy_why: str = "",
         boot_on_failure: bool = True,
+        then_ready: bool = True,
     ) -> bool:
         """Restore; on any failure record why and boot normally (or fail). True if restored.
 
         copy_why forces the copying restore and says why; otherwise mmap_decision decides.
+        then_ready=False leaves a restored agent Restoring: the caller still has to record
+        what the restore proved before anyone may take Ready to mean it is done (an
+        operator restarted in between reads the status and would otherwise find Ready with
+        no finished checkpoint recorded, and fail a good one).
         """
         self.set_state("Restoring", f"restoring from {ckpt}")
 
@@ -283,7 +288,10 @@ class Agent:
         self.status.restored_with_mmap = memory.use
         self.status.restore_memory = RestoreMemoryDoc(path=memory.path, why=memory.why)
         log.info("restored memory by %s: %s", memory.path, memory.why)
-        self.set_state("Ready", f"restored from {ckpt}")
+        if then_ready:
+            self.set_state("Ready", f"restored from {ckpt}")
+        else:
+            self.set_state("Restoring", f"restored from {ckpt}; recording what it proved")
         return True
 
     def _fell_back(self, ckpt: Path, e: Exception) -> None:
@@ -451,6 +459,7 @@ class Agent:
                 ckpt,
                 require_verified=False,
                 copy_why="proving a new checkpoint: a copied tree can be checkpointed again",
+                then_ready=False,
             )
         except Exception as e:  # the fallback boot failed too: the agent is Failed
             err = checkpoint.CheckpointError(
@@ -491,6 +500,7 @@ class Agent:
             "images_protection": protection,
             "weights_protection": weights_protection,
         }
+        self.set_state("Ready", f"restored from {ckpt}")  # only now: the proof is recorded
         return man
 
     @staticmethod

@@ -104,7 +104,9 @@ def remove_tree(root: Path) -> None:
 
     Symlinks are removed, never followed; directories on another file system
     (a mount below root) are left alone. Unlinking a file that replicas still
-    map is safe: the kernel keeps its data until the last mapping goes.
+    map is safe: the kernel keeps its data until the last mapping goes. What
+    vanishes meanwhile (another remover of the same tree, e.g. a second cleanup
+    Job) is simply gone already.
     """
     try:
         top = os.lstat(root)
@@ -115,27 +117,38 @@ def remove_tree(root: Path) -> None:
         return
     for dirpath, dirnames, filenames in os.walk(root, topdown=False):
         d = Path(dirpath)
-        if os.lstat(d).st_dev != top.st_dev:
+        if _device(d) != top.st_dev:
             continue
         for name in filenames + [n for n in dirnames if os.path.islink(d / n)]:
             _unlink(d / name)
         for name in dirnames:
             sub = d / name
-            if not os.path.islink(sub) and os.lstat(sub).st_dev == top.st_dev:
+            if not os.path.islink(sub) and _device(sub) == top.st_dev:
                 _rmdir(sub)
     _rmdir(root)
+
+
+def _device(p: Path) -> int | None:
+    """p's st_dev, None once it is gone."""
+    try:
+        return os.lstat(p).st_dev
+    except FileNotFoundError:
+        return None
 
 
 def _unlink(p: Path) -> None:
     try:
         os.unlink(p)
-    except PermissionError:
-        st = os.lstat(p)
-        if stat.S_ISREG(st.st_mode):
-            set_immutable(p, False)
-        os.unlink(p)
     except FileNotFoundError:
         pass
+    except PermissionError:
+        try:
+            st = os.lstat(p)
+            if stat.S_ISREG(st.st_mode):
+                set_immutable(p, False)
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
 
 
 def _rmdir(p: Path) -> None:

@@ -67,6 +67,7 @@ SOURCES: dict[str, tuple[str, str]] = {
     ),
     "cluster": ("cluster/demo/bench.json", "DEMO_BENCH_OUT=docs/bench/cluster/demo make demo"),
     "cluster-up": ("cluster-up.json", "scripts/bench-cluster-up 5"),
+    "suite": ("test-suite/results.json", "rekindle-dev bench suite"),
     "naive": ("report/naive_boot.json", "rekindle-dev bench report --run naive"),
 }
 # Older places of the same results, read where the current one is absent.
@@ -1246,6 +1247,7 @@ def report(bench: Path, command: str, repo: Path | None = None) -> str:
         ("KV reuse across chat turns", lambda: section_kv(res)),
         ("Cluster: pod to first token", lambda: section_cluster(res)),
         ("Local cluster start", lambda: section_cluster_up(res)),
+        ("Test suite: make test against its budget", lambda: section_embedded(res, "suite")),
     ]
     m = machine()
     head = [

@@ -13,6 +13,7 @@
   rekindle-dev bench warm ...           warming a cold checkpoint: vmtouch -t vs the prefetcher
   rekindle-dev bench kdat ...           CRIU's restore setup with and without its kdat cache
   rekindle-dev bench density ...        memory of N vLLM replicas restored from one checkpoint
+  rekindle-dev bench suite              make test, target by target, against its 40-min budget
   rekindle-dev bench report [--collect] docs/benchmarks.md from every benchmark's results
 
 Each benchmark module exposes add_arguments() and run(); only this module
@@ -33,6 +34,7 @@ from rekindle_dev import (
     bench_local,
     bench_mm,
     bench_report,
+    bench_suite,
     bench_warm,
     bench_weights,
 )
@@ -142,6 +144,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     )
     bench_density.add_arguments(dens)
     dens.set_defaults(func=bench_density.run)
+    suite = bsub.add_parser("suite", help="make test, target by target: minutes, slowest tests")
+    bench_suite.add_arguments(suite)
+    suite.set_defaults(func=bench_suite.run)
     rep = bsub.add_parser("report", help="every benchmark in docs/benchmarks.md (runs quick ones)")
     bench_report.add_arguments(rep)
     rep.set_defaults(func=bench_report.run)

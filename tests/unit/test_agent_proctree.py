@@ -53,3 +53,36 @@ def test_reaper_run_and_orphans() -> None:
         r.stop()
     p = subprocess.Popen([sys.executable, "-c", "raise SystemExit(5)"])
     assert p.wait(30) == 5  # after stop() the reaper no longer steals statuses
+
+
+def test_reaper_leaves_other_children_to_their_popen() -> None:
+    """A library's subprocess child keeps its own exit status while the reaper runs
+    (waitpid(-1) would take it, and Popen would then read exit 0 for a failure)."""
+    from rekindle_agent.reaper import Reaper
+
+    r = Reaper()
+    try:
+        for _ in range(20):
+            p = subprocess.Popen([sys.executable, "-c", "raise SystemExit(7)"])
+            deadline = time.monotonic() + 30
+            while not proctree.zombie_children(os.getpid()) & {p.pid}:
+                assert time.monotonic() < deadline, "the child never exited"
+                time.sleep(0.01)
+            time.sleep(0.1)  # several reaper passes see the zombie
+            assert p.wait(30) == 7
+    finally:
+        r.stop()
+
+
+def test_reaper_takes_an_orphan_after_the_grace() -> None:
+    """A zombie nobody waits for (a restored tree's orphan) is reaped and its status kept."""
+    from rekindle_agent.reaper import Reaper
+
+    r = Reaper(orphan_grace_s=0.2)
+    try:
+        p = subprocess.Popen([sys.executable, "-c", "raise SystemExit(4)"])
+        assert r.wait(p.pid, 30) == 4
+        assert p.pid not in proctree.zombie_children(os.getpid())
+        p.returncode = 4  # Popen must not wait for what the reaper took
+    finally:
+        r.stop()

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 from rekindle_agent import residency
+from rekindle_agent.proctree import zombie_children
+from rekindle_agent.reaper import Reaper
 from rekindle_dev.testenv import require
 
 VMTOUCH_OUT = """           Files: 3
@@ -233,13 +235,24 @@ def test_keep_resident_spec_becomes_the_agent_flag() -> None:
 
 
 def test_a_lock_that_dies_says_why(tmp_path: Path) -> None:
+    """Its real exit code, though the agent's reaper (quick here) reaps orphans."""
     (tmp_path / "f").write_bytes(b"x" * 10)
-    lock = residency.ResidentLock(1 << 20, binary="/bin/false")
-    lock.lock(str(tmp_path), [("f", 10)], wait=0)
-    deadline = time.monotonic() + 60
-    while not (doc := lock.doc())["why"]:
-        assert time.monotonic() < deadline, "the lock's exit was not noticed"
-        time.sleep(0.05)
+    dies = tmp_path / "vmtouch"
+    dies.write_text("#!/bin/sh\nsleep 0.5\nexit 1\n")
+    dies.chmod(0o755)
+    reaper = Reaper(orphan_grace_s=0.05)
+    try:
+        lock = residency.ResidentLock(1 << 20, binary=str(dies), reaper=reaper)
+        lock.lock(str(tmp_path), [("f", 10)], wait=0)
+        assert lock.proc is not None
+        deadline = time.monotonic() + 60
+        while lock.proc.pid not in zombie_children(os.getpid()):
+            assert time.monotonic() < deadline, "vmtouch never exited"
+            time.sleep(0.02)
+        time.sleep(0.3)  # several reaper passes past its grace
+        doc = lock.doc()
+    finally:
+        reaper.stop()
     assert "exited 1" in doc["why"] and doc["locked_bytes"] == 0 and lock.proc is None
 
 

@@ -36,6 +36,21 @@ def parent_map(proc: Path = PROC) -> dict[int, int]:
     return out
 
 
+def zombie_children(parent: int, proc: Path = PROC) -> set[int]:
+    """The children of parent that have exited and wait to be reaped."""
+    out: set[int] = set()
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            pid, state, ppid = parse_stat((entry / "stat").read_text())
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent and state == "Z":
+            out.add(pid)
+    return out
+
+
 def descendants(root: int, parents: dict[int, int]) -> list[int]:
     """root and every process below it, root first, parents before children."""
     children: dict[int, list[int]] = {}

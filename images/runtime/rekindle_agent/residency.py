@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from rekindle_agent.prefetch import deferred
+from rekindle_agent.reaper import Reaper
 
 log = logging.getLogger("rekindle.residency")
 
@@ -234,8 +235,11 @@ class ResidentLock:
     unlocks: the pages stay cached but become reclaimable again.
     """
 
-    def __init__(self, budget_bytes: int, binary: str | None = None) -> None:
+    def __init__(
+        self, budget_bytes: int, binary: str | None = None, reaper: Reaper | None = None
+    ) -> None:
         self.budget = budget_bytes
+        self.reaper = reaper  # the agent's: told to leave the vmtouch child to us
         self.binary = binary or vmtouch_binary()
         self.proc: subprocess.Popen[bytes] | None = None
         self.root: str | None = None
@@ -268,6 +272,8 @@ class ResidentLock:
                 stderr=subprocess.PIPE,
                 start_new_session=True,
             )
+            if self.reaper is not None:
+                self.reaper.exempt(self.proc.pid)
         self.wait_locked(wait)
 
     def wait_locked(self, timeout: float) -> bool:

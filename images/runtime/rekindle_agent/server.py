@@ -494,7 +494,7 @@ async def serve(agent: Agent, starter: threading.Thread, early_stop: threading.E
         )
     lock, keeper_stop = None, threading.Event()
     if cfg.keep_resident_mb > 0:
-        lock = residency.ResidentLock(cfg.keep_resident_mb << 20)
+        lock = residency.ResidentLock(cfg.keep_resident_mb << 20, reaper=agent.reaper)
         threading.Thread(
             target=residency.follow,
             args=(lock, lambda: newest_checkpoint(agent), keeper_stop),

@@ -280,6 +280,7 @@ class VllmProcess:
 
         Called while the tree is still stopped: its log lines are followed from here.
         """
+        self.reaper.adopt(pid)
         self.root_pid = pid
         if self.log_follower is not None:
             self.log_follower.follow_from_end()

@@ -11,8 +11,9 @@ a fresh PID+mount namespace (rekindle_dev.harness), timed from launch to the
 answer of a one-token completion through the agent's proxy, with the agent's
 own phase timings (bench_local.one_run), the checkpoint's page-cache
 residency just before each restore and each naive boot's split from its own
-vLLM log. The weight reload's rate is the weight dump's bytes over the agent's
-reload_weights phase.
+vLLM log. The weight reload's rate is the weight dump's bytes over the reload
+proper (reading or mapping the dump); the CPU GEMM repack that follows it
+inside reload_weights is its own column.
 Results: docs/bench/ladder/results.{json,md,png}.
 """
 
@@ -70,27 +71,43 @@ def checkpoint_sizes(files: Iterable[Mapping[str, Any]]) -> dict[str, int]:
     return out
 
 
+def reload_read_seconds(phases: Mapping[str, float]) -> float | None:
+    """The reload proper: reading or mapping the dump (reload_weights.read), without the
+    CPU GEMM repack that follows it; the whole reload_weights where a run has no split."""
+    if "reload_weights.read" in phases:
+        return phases["reload_weights.read"]
+    return phases.get("reload_weights")
+
+
 def summarize_size(runs: list[dict[str, Any]], weights_bytes: int) -> dict[str, Any]:
     """bench_local's summary per (variant, cache), plus the reload's rate: the weight dump's
-    bytes over reload_weights alone, and over reload_weights plus the wait for the dump's
-    check (weights_check_wait: its BLAKE3, which the reload waits for)."""
+    bytes over the reload proper (reload_read_seconds), alone and plus the wait for the
+    dump's check (weights_check_wait: its BLAKE3, which the reload waits for), and the
+    CPU GEMM repack after it (reload_weights.repack)."""
     out: dict[str, Any] = summarize(runs)
     for key, s in out.items():
         variant, _, cache = key.partition("/")
         rs = [r for r in runs if r["variant"] == variant and r["cache"] == cache]
-        reload = [r["phases"]["reload_weights"] for r in rs if "reload_weights" in r["phases"]]
-        if reload:
-            waits = [r["phases"].get("weights_check_wait", 0.0) for r in rs]
-            s["reload_seconds_median"] = statistics.median(reload)
-            s["reload_gb_per_s_median"] = statistics.median(weights_bytes / t / 1e9 for t in reload)
-            s["reload_checked_gb_per_s_median"] = statistics.median(
-                weights_bytes / (t + w) / 1e9
-                for t, w in zip(
-                    [r["phases"]["reload_weights"] for r in rs if "reload_weights" in r["phases"]],
-                    [w for r, w in zip(rs, waits, strict=True) if "reload_weights" in r["phases"]],
-                    strict=True,
-                )
+        pairs = [
+            (t, r["phases"].get("weights_check_wait", 0.0))
+            for r in rs
+            if (t := reload_read_seconds(r["phases"])) is not None
+        ]
+        if pairs:
+            s["reload_seconds_median"] = statistics.median(t for t, _ in pairs)
+            s["reload_gb_per_s_median"] = statistics.median(
+                weights_bytes / t / 1e9 for t, _ in pairs
             )
+            s["reload_checked_gb_per_s_median"] = statistics.median(
+                weights_bytes / (t + w) / 1e9 for t, w in pairs
+            )
+        repack = [
+            r["phases"]["reload_weights.repack"]
+            for r in rs
+            if "reload_weights.repack" in r["phases"]
+        ]
+        if repack:
+            s["repack_seconds_median"] = statistics.median(repack)
         if "speedup_vs_naive" in s:
             s["fraction_of_naive"] = 1.0 / s["speedup_vs_naive"]
             s["fraction_per_trial"] = [
@@ -208,7 +225,10 @@ def reload_cell(r: dict[str, Any], cache: str) -> str:
     if "reload_gb_per_s_median" not in r:
         return "-"
     cell = f"{r['reload_gb_per_s_median']:.2f} / {r['reload_checked_gb_per_s_median']:.2f}"
-    return cell + (" (page cache: prefetched)" if cache == "cold" else "")
+    cell += " (page cache: prefetched)" if cache == "cold" else ""
+    if "repack_seconds_median" in r:
+        cell += f"; then CPU GEMM repack {r['repack_seconds_median']:.2f} s"
+    return cell
 
 
 def trials_cell(r: dict[str, Any] | None) -> str:

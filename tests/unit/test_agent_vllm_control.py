@@ -239,3 +239,17 @@ def test_a_refused_sleep_is_an_error(replay: str) -> None:
     with pytest.raises(VllmCallError) as e:
         VllmControl(replay, "cuda").release("/ck/weights")
     assert e.value.status == 400
+
+
+def test_reload_split_takes_the_slowest_rank() -> None:
+    from rekindle_agent.vllm_control import reload_split
+
+    reply = {
+        "results": [
+            {"read_seconds": 0.05, "repack_seconds": 1.5},
+            {"read_seconds": 0.08, "repack_seconds": 1.2},
+        ]
+    }
+    assert reload_split(reply) == {"reload_read": 0.08, "reload_repack": 1.5}
+    assert reload_split({"results": [None]}) == {}  # an older worker says nothing
+    assert reload_split(None) == {}

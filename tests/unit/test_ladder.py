@@ -167,3 +167,25 @@ def test_reload_rate_with_its_check_counts_the_wait() -> None:
     assert r["reload_checked_gb_per_s_median"] == 2.0  # 2, 2, 2
     assert reload_cell(r, "warm") == "4.00 / 2.00"
     assert reload_cell(r, "cold") == "4.00 / 2.00 (page cache: prefetched)"
+
+
+def test_reload_rate_is_the_read_and_the_repack_is_apart() -> None:
+    """Where the agent split reload_weights, the rate counts only reading or mapping the
+    dump; the CPU GEMM repack after it is shown on its own."""
+    from rekindle_dev.bench_ladder import RESTORE, reload_cell, summarize_size
+
+    def run(trial: int, read: float, repack: float) -> dict[str, Any]:
+        phases = {
+            "reload_weights": read + repack + 0.01,
+            "reload_weights.read": read,
+            "reload_weights.repack": repack,
+            "weights_check_wait": 0.0,
+        }
+        return {"variant": RESTORE, "cache": "warm", "ttft": 5.0, "trial": trial,
+                "phases": phases, "mmap": True}  # fmt: skip
+
+    s = summarize_size([run(0, 0.5, 3.0), run(1, 1.0, 4.0), run(2, 0.25, 5.0)], 4 * 10**9)
+    r = s[f"{RESTORE}/warm"]
+    assert r["reload_gb_per_s_median"] == 8.0  # 8, 4, 16
+    assert r["repack_seconds_median"] == 4.0
+    assert reload_cell(r, "warm") == "8.00 / 8.00; then CPU GEMM repack 4.00 s"

@@ -302,7 +302,7 @@ def restore(
         if man.get("weights", {}).get("released"):
             try:
                 # Content was checked above (prefetch or up front) unless only sizes were.
-                control.wake(
+                woke = control.wake(
                     str(ckpt / WEIGHTS_SUBDIR),
                     verify=verify == "size",
                     # The restored tree kept the environment it was dumped with: the
@@ -312,6 +312,11 @@ def restore(
             except VllmCallError as e:
                 raise RestoreError("wake_failed", str(e)) from e
             t = mark("reload_weights", t)
+            # Parts of reload_weights (not phases of their own): reading or mapping the
+            # dump, and on CPU repacking the GEMM weights after it.
+            for part in ("read", "repack"):
+                if f"reload_{part}" in woke:
+                    phases[f"reload_weights.{part}"] = woke[f"reload_{part}"]
         try:
             control.complete_one(cfg.served_name)
         except VllmCallError as e:

@@ -126,12 +126,12 @@ class VllmControl:
         if not map_weights:
             kwargs["map_weights"] = False
         try:
-            self.rpc(RELOAD_WEIGHTS, weights_dir, **kwargs)
+            reply = self.rpc(RELOAD_WEIGHTS, weights_dir, **kwargs)
         except VllmCallError as e:
             if "map_weights" not in kwargs or "'map_weights'" not in e.body:
                 raise
             del kwargs["map_weights"]
-            self.rpc(RELOAD_WEIGHTS, weights_dir, **kwargs)
+            reply = self.rpc(RELOAD_WEIGHTS, weights_dir, **kwargs)
         if self.device == "cuda":
             # Every tag is resident again only now: vLLM says "awake", not "sleeping".
             woke = self._post("/wake_up?tags=kv_cache")
@@ -140,6 +140,7 @@ class VllmControl:
                 self._expect_awake()  # vLLM before 0.31 answers an empty 200: ask
         self._post("/reset_prefix_cache")
         t["reload_weights"] = time.monotonic() - t0
+        t.update(reload_split(reply))
         return t
 
     def wait_health(self, timeout: float, alive: Callable[[], bool] | None = None) -> float:
@@ -153,6 +154,20 @@ class VllmControl:
             {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0},
         )
         return str(out["choices"][0]["text"])
+
+
+def reload_split(reply: Any) -> dict[str, float]:
+    """What the slowest rank's reload spent reading the dump and repacking CPU GEMM
+    weights (its reply's read_seconds, repack_seconds), as parts of reload_weights;
+    {} from a worker that does not say (a tree dumped by an older agent)."""
+    ranks = reply.get("results") if isinstance(reply, dict) else None
+    docs = [r for r in ranks or [] if isinstance(r, dict)]
+    out: dict[str, float] = {}
+    for key, part in (("read_seconds", "reload_read"), ("repack_seconds", "reload_repack")):
+        vals = [float(d[key]) for d in docs if isinstance(d.get(key), int | float)]
+        if vals:
+            out[part] = max(vals)
+    return out
 
 
 def expect_status(doc: Any, what: str, want: str) -> None:

@@ -380,10 +380,12 @@ class RekindleWorkerExtension:
         finally:
             release_staging_buffers()  # no pinned host memory left behind in the server
         self._rekindle_mapped = res.mapped
+        t_regrow = time.perf_counter()
         if state is not None:
             _regrow(state.kv)
             self._rekindle_released = None
         # Packed CPU GEMM copies must follow the new bytes (a reload need not follow a release).
+        t_repack = time.perf_counter()
         _rebuild_cpu_handlers(
             [
                 m
@@ -392,12 +394,19 @@ class RekindleWorkerExtension:
             ]
         )
         out = res.to_json()
+        # The reload proper (read or map the dump) apart from what follows it: on CPU
+        # the GEMM handlers repack every linear weight into fresh memory, which costs
+        # more than mapping the dump at every size measured (docs/restore-profile.md).
+        out["read_seconds"] = round(res.seconds, 6)
+        out["kv_regrow_seconds"] = round(t_repack - t_regrow, 6)
+        out["repack_seconds"] = round(time.perf_counter() - t_repack, 6)
         out["total_seconds"] = round(time.perf_counter() - t0, 6)
         out["map"] = f"{why}; {res.map_note}" if res.map_note else why
         # One line in vLLM's log: how each reload brought the weights back.
         print(
             f"rekindle: reload rank {rank}: {res.bytes} bytes, {res.mapped_bytes} mapped "
-            f"from {data} ({out['map']}), {out['total_seconds']:.3f}s",
+            f"from {data} ({out['map']}), {out['total_seconds']:.3f}s (read "
+            f"{out['read_seconds']:.3f}s, CPU GEMM repack {out['repack_seconds']:.3f}s)",
             file=sys.stderr,
             flush=True,
         )

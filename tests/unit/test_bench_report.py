@@ -327,12 +327,15 @@ def _ladder() -> dict[str, object]:
     """The ladder's results for one size: naive and a restore, warm and cold, two trials."""
     ttft = {("naive", "warm"): [40.0, 44.0], ("patched-signed", "warm"): [8.0, 8.0]}
     ttft |= {("naive", "cold"): [46.0, 46.0], ("patched-signed", "cold"): [10.0, 9.2]}
+    # Plain CRIU faster warm: it is shown beside the restore, never taken as the restore.
+    ttft |= {("plain-criu", "warm"): [6.0, 6.0]}
     summary: dict[str, dict[str, object]] = {
         f"{v}/{c}": {"ttft_median": sum(x) / 2} for (v, c), x in ttft.items()
     }
     summary["patched-signed/warm"] |= {
         "reload_gb_per_s_median": 18.4,
         "reload_checked_gb_per_s_median": 3.4,
+        "repack_seconds_median": 4.5,
     }
     summary["patched-signed/cold"] |= {"reload_gb_per_s_median": 15.8}
     runs = [
@@ -460,10 +463,13 @@ def test_every_figure_names_its_file_with_per_trial_values(bench_repo: Path) -> 
     # check; a cold trial's reload is said not to be cold.
     assert (
         "- Size ladder, 3b, warm page cache (`rekindle-dev bench ladder`): naive 42.00 s, "
-        "restore 8.00 s: **1/5.2** (per trial 1/5.0, 1/5.5); weight reload 18.4 GB/s without "
-        "the wait for the dump's BLAKE3 check, 3.4 GB/s with it. From "
+        "restore (patched-signed) 8.00 s: **1/5.2** (per trial 1/5.0, 1/5.5); plain CRIU of "
+        "the whole server (stock CRIU, no agent) 6.00 s: **plain CRIU is 1.33x faster**; "
+        "weight reload 18.4 GB/s without the wait for the dump's BLAKE3 check, 3.4 GB/s with "
+        "it, then 4.50 s of CPU GEMM repack. From "
         "`docs/bench/ladder/3b/results.json` (load not recorded)." in head
     )
+    assert "this file does not split off the CPU GEMM repack" in head  # the cold row
     assert "with it: not recorded in this file (the reload reads what the prefetcher" in head
     local = text.split("## Restore paths")[1].split("\n## ")[0]
     assert "Source: `docs/bench/local/results.json` (commit " in local

@@ -363,16 +363,30 @@ class AgentClient:
             return False
 
 
+class RefuseRedirects(urllib.request.HTTPRedirectHandler):
+    """A 3xx is an error, never followed: a redirect would send the bearer token to
+    whatever host an impostor (or a compromised pod) names."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None  # urllib then raises the 3xx as an HTTPError
+
+
 def _opener(base_url: str, ca: bytes | str | None, server_name: str | None) -> Callable[..., Any]:
-    """urlopen, or for TLS settings an opener that verifies with them.
+    """An opener that goes straight to base_url: no environment proxy (HTTP_PROXY would
+    see the token), no redirects; with TLS settings, one that verifies with them.
 
     A CA or a server name with a plain http:// URL is refused rather than
     ignored: the caller meant TLS, and the token must not go out in clear.
     """
-    if ca is None and server_name is None:
-        return urllib.request.urlopen
-    url = urllib.parse.urlsplit(base_url)
-    if url.scheme != "https":
-        raise ValueError(f"{base_url}: a CA or server name needs an https:// URL")
-    handler = NamedHTTPSHandler(client_tls_context(ca), server_name or url.hostname or "")
-    return urllib.request.build_opener(handler).open
+    handlers: list[urllib.request.BaseHandler] = [
+        urllib.request.ProxyHandler({}),
+        RefuseRedirects(),
+    ]
+    if ca is not None or server_name is not None:
+        url = urllib.parse.urlsplit(base_url)
+        if url.scheme != "https":
+            raise ValueError(f"{base_url}: a CA or server name needs an https:// URL")
+        handlers.append(
+            NamedHTTPSHandler(client_tls_context(ca), server_name or url.hostname or "")
+        )
+    return urllib.request.build_opener(*handlers).open

@@ -253,3 +253,23 @@ def test_reload_split_takes_the_slowest_rank() -> None:
     assert reload_split(reply) == {"reload_read": 0.08, "reload_repack": 1.5}
     assert reload_split({"results": [None]}) == {}  # an older worker says nothing
     assert reload_split(None) == {}
+
+
+def test_calls_to_vllm_never_take_the_environments_proxy(
+    fake: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HTTP_PROXY set for model downloads must not capture the agent's loopback calls."""
+    proxy = ThreadingHTTPServer(("127.0.0.1", 0), _Fake)  # records into the same list
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    proxy_url = f"http://127.0.0.1:{proxy.server_address[1]}"
+    try:
+        monkeypatch.setenv("HTTP_PROXY", proxy_url)
+        monkeypatch.setenv("http_proxy", proxy_url)
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        monkeypatch.delenv("no_proxy", raising=False)
+        VllmControl(fake, "cpu").wake("/ck/weights")
+        # Through a proxy the request line holds the absolute URL; direct, only the path.
+        assert [path for path, _ in _Fake.seen] == ["/collective_rpc", "/reset_prefix_cache"]
+    finally:
+        proxy.shutdown()
+        proxy.server_close()

@@ -40,6 +40,11 @@ def missing_method(err: VllmCallError) -> bool:
     return "has no attribute" in err.body or "AttributeError" in err.body
 
 
+# vLLM is on loopback: never through a proxy the pod's environment names (HTTP_PROXY is
+# often set for model downloads, and urllib would send 127.0.0.1 to it without NO_PROXY).
+DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 @dataclass
 class VllmControl:
     base_url: str
@@ -53,7 +58,7 @@ class VllmControl:
         req = urllib.request.Request(self.base_url + path, data=data, method="POST")
         req.add_header("Content-Type", "application/json")
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+            with DIRECT.open(req, timeout=self.timeout) as resp:
                 raw = resp.read()
         except urllib.error.HTTPError as e:
             raise VllmCallError(path, e.code, e.read().decode(errors="replace")) from e
@@ -65,7 +70,7 @@ class VllmControl:
         """GET /is_sleeping must say false once every tag has been woken."""
         self.calls.append("GET /is_sleeping")
         try:
-            with urllib.request.urlopen(self.base_url + "/is_sleeping", timeout=30) as resp:
+            with DIRECT.open(self.base_url + "/is_sleeping", timeout=30) as resp:
                 doc = json.loads(resp.read() or b"{}")
         except urllib.error.HTTPError as e:
             raise VllmCallError("/is_sleeping", e.code, e.read().decode(errors="replace")) from e
@@ -184,7 +189,7 @@ def wait_health(base_url: str, timeout: float, alive: Callable[[], bool] | None 
         if alive is not None and not alive():
             raise RuntimeError("vLLM exited before it became healthy")
         try:
-            with urllib.request.urlopen(base_url + "/health", timeout=2) as resp:
+            with DIRECT.open(base_url + "/health", timeout=2) as resp:
                 if resp.status == 200:
                     return time.monotonic() - t0
         except (urllib.error.URLError, OSError):

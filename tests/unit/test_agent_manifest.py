@@ -145,3 +145,26 @@ def test_size_check_and_prefetch_hash_catch_damage(tmp_path: Path, algo: str) ->
         manifest_io.check_sizes(root, entries)
     assert e.value.reason == "file_missing"
     assert "missing" in json.dumps(str(e.value))
+
+
+def test_a_deeply_nested_manifest_is_refused_not_a_crash(tmp_path: Path) -> None:
+    """No key is needed to write it: it must be a manifest_invalid (the agent then boots),
+    never a RecursionError that takes the agent down on every start."""
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    (root / MANIFEST_NAME).write_text("[" * 200_000 + "]" * 200_000)
+    with pytest.raises(manifest_io.ManifestError) as e:
+        manifest_io.read(root)
+    assert e.value.reason == "manifest_invalid"
+    assert "RecursionError" in str(e.value)
+
+
+def test_an_oversized_manifest_is_not_read(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    with (root / MANIFEST_NAME).open("wb") as f:
+        f.truncate(manifest_io.MAX_MANIFEST_BYTES + 1)  # sparse: no disk used
+    with pytest.raises(manifest_io.ManifestError) as e:
+        manifest_io.read(root)
+    assert e.value.reason == "manifest_invalid"
+    assert f"larger than {manifest_io.MAX_MANIFEST_BYTES} bytes" in str(e.value)

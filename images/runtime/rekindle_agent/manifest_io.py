@@ -35,6 +35,9 @@ from rekindle_contract.manifest import (
 from rekindle_agent import __version__, digests, signing
 
 READ_CHUNK = 8 << 20
+# A manifest lists every file with its digests: tens to hundreds of KiB. Far more is not
+# one the agent wrote, and is refused before it is parsed.
+MAX_MANIFEST_BYTES = 16 << 20
 MAX_NAME = 255
 # File modes a restore may create: at most rwxr-xr-x. setuid, setgid and sticky
 # bits are refused outright; group/other write is masked off.
@@ -126,10 +129,20 @@ def read(root: Path, key: bytes | None = None, run_dir: str | None = None) -> Ma
     path = root / MANIFEST_NAME
     if not path.is_file():
         raise ManifestError("no_checkpoint", f"{path} does not exist")
+    # Read before the signature is checked, so bounded: no key is needed to write it.
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
+        with path.open("rb") as f:
+            raw = f.read(MAX_MANIFEST_BYTES + 1)
+    except OSError as e:
         raise ManifestError("manifest_invalid", f"{path}: {e}") from e
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise ManifestError(
+            "manifest_invalid", f"{path}: larger than {MAX_MANIFEST_BYTES} bytes, not read"
+        )
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # RecursionError: nested too deeply
+        raise ManifestError("manifest_invalid", f"{path}: {type(e).__name__}: {e}") from e
     if not isinstance(data, dict):
         raise ManifestError("manifest_invalid", f"{path}: not a JSON object")
     try:

@@ -33,6 +33,29 @@ MANAGED_VLLM_FLAGS = (
     "--kv-offloading-size",
     "--kv-offloading-backend",
 )
+# vLLM's short spellings of managed flags.
+MANAGED_VLLM_ALIASES = {"-tp": "--tensor-parallel-size"}
+
+
+def managed_flag(arg: str) -> str | None:
+    """The managed flag arg would set in vLLM's parser, or None.
+
+    vLLM's parser reads `_` as `-` in flag names and, like argparse, takes a
+    unique prefix of a flag for the flag (`--hos` is `--host`), so an exact
+    match is not enough: arg is managed when its name, `_` read as `-`, is a
+    managed flag or a prefix of one (at least one letter after the dashes).
+    """
+    name = arg.split("=", 1)[0]
+    for alias, flag in MANAGED_VLLM_ALIASES.items():
+        if name.startswith(alias):
+            return flag
+    if not name.startswith("--") or len(name) < 3:
+        return None
+    norm = name.replace("_", "-")
+    for flag in MANAGED_VLLM_FLAGS:
+        if flag.startswith(norm):
+            return flag
+    return None
 
 
 # Set by the operator when spec.multimodal.enabled is unset: the agent keeps the

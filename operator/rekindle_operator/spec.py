@@ -18,7 +18,7 @@ from rekindle_contract.pod import (
     SIGNING_KEY_ENV,
     TOKEN_ENV,
 )
-from rekindle_contract.vllm_argv import MANAGED_VLLM_FLAGS, MM_AUTO_ENV
+from rekindle_contract.vllm_argv import MM_AUTO_ENV, managed_flag
 
 from rekindle_operator.constants import ANN_RESTART
 from rekindle_operator.model_source import ModelSource, parse_model
@@ -323,10 +323,12 @@ def validate(s: IsvcSpec) -> None:
             "spec.runtime.device to gpu, or remove the GPU request"
         )
     for arg in s.vllm_args:
-        flag = arg.split("=", 1)[0]
-        if flag in MANAGED_VLLM_FLAGS:
+        flag = managed_flag(arg)
+        if flag is not None:
+            given = arg.split("=", 1)[0]
+            spelled = "" if given == flag else f" (as {given}: vLLM reads it as {flag})"
             raise SpecError(
-                f"spec.vllmArgs sets {flag}, which the operator manages: "
+                f"spec.vllmArgs sets {flag}{spelled}, which the operator manages: "
                 "use spec.model, spec.multimodal, spec.kvCache or spec.tensorParallelSize instead"
             )
     for name in (e.name for e in s.env):

@@ -69,6 +69,7 @@ def test_negative_replicas_refused(namespace: str) -> None:
     ("spec", "words"),
     [
         ({"vllmArgs": ["--port=9000"]}, "flag the operator manages"),
+        ({"vllmArgs": ["--served_model_name=x"]}, "flag the operator manages"),  # vLLM: _ is -
         ({"runtime": {"device": "gpu"}, "tensorParallelSize": 2}, "set spec.resources.gpus"),
         ({"multimodal": {"cacheSize": "64Mi", "maxObjectMiB": 128}}, "lower maxObjectMiB"),
         ({"multimodal": {"cacheSize": "lots"}}, "must be a non-negative quantity"),

@@ -63,6 +63,31 @@ def test_every_managed_vllm_flag_is_refused(flag: str) -> None:
             parse(vllmArgs=args)
 
 
+@pytest.mark.parametrize(
+    ("arg", "flag"),
+    [
+        ("--served_model_name=x", "--served-model-name"),
+        ("--worker_extension_cls=evil.Ext", "--worker-extension-cls"),
+        ("--hos", "--host"),
+        ("--hos=0.0.0.0", "--host"),
+        ("--tensor_parallel", "--tensor-parallel-size"),
+        ("-tp", "--tensor-parallel-size"),
+        ("-tp=2", "--tensor-parallel-size"),
+    ],
+)
+def test_the_spellings_vllm_reads_as_a_managed_flag_are_refused(arg: str, flag: str) -> None:
+    """vLLM's parser reads `_` as `-` and a unique prefix as the flag."""
+    with pytest.raises(SpecError, match=f"sets {flag} \\(as {arg.split('=')[0]}: vLLM reads"):
+        parse(vllmArgs=[arg, "1"])
+
+
+@pytest.mark.parametrize(
+    "arg", ["--max-num-seqs", "--model-impl=transformers", "--portable", "-O3", "--hf-token=x"]
+)
+def test_other_flags_pass(arg: str) -> None:
+    parse(vllmArgs=[arg])
+
+
 def test_missing_model_source() -> None:
     with pytest.raises(SpecError, match=r"spec\.model\.source"):
         parse_spec("x", "ns", {"model": {}})

@@ -39,7 +39,7 @@ from rekindle_operator.constants import (
     SERVING_LABEL,
 )
 from rekindle_operator.kube import Kube, KubeError
-from rekindle_operator.pods import BUSY_STATES, Agents, CheckpointCall, read_token
+from rekindle_operator.pods import BUSY_STATES, Agents, CheckpointCall, read_token, service_pods
 from rekindle_operator.quantity import human_bytes
 from rekindle_operator.reconcile import (
     Emit,
@@ -105,7 +105,8 @@ def _start(kube: Kube, body: Body, emit: Emit, agents: Agents) -> Status:
     _adopt(kube, body, isvc)
     isvc_spec = spec_of(isvc)
     fingerprint = spec_fingerprint(isvc_spec)
-    ready = ready_pods(kube.list("Pod", ns, b.selector_string(isvc_name)), spec.get("pod"))
+    # Only pods the service's Deployment made may be checkpointed (and get its token).
+    ready = ready_pods(service_pods(kube, ns, isvc_name), spec.get("pod"))
     candidates, skipped = current_spec_pods(ready, fingerprint)
     token = read_token(kube, ns, isvc_name) if candidates else ""
     pod, not_ready = _checkpointable(candidates, token, agents)

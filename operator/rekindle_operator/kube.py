@@ -22,6 +22,7 @@ FIELD_MANAGER = "rekindle-operator"
 # kind -> (API prefix, plural); only what the operator touches.
 _RESOURCES: dict[str, tuple[str, str]] = {
     "Deployment": ("/apis/apps/v1", "deployments"),
+    "ReplicaSet": ("/apis/apps/v1", "replicasets"),
     "Service": ("/api/v1", "services"),
     "Secret": ("/api/v1", "secrets"),
     "ConfigMap": ("/api/v1", "configmaps"),

@@ -29,7 +29,7 @@ from rekindle_contract.manifest import Manifest
 from rekindle_contract.pod import TOKEN_KEY
 
 from rekindle_operator import admin_tls
-from rekindle_operator.builders import secret_name
+from rekindle_operator.builders import deployment_name, secret_name, selector_string
 from rekindle_operator.kube import Kube, KubeError, service_proxy_path
 
 log = logging.getLogger(__name__)
@@ -78,6 +78,44 @@ def _client(url: str, token: str, tls: AgentTLS | None = None) -> Agent:
 
 def agent_url(pod: Body, https: bool = False) -> str:
     return f"{'https' if https else 'http'}://{pod['status']['podIP']}:{ADMIN_PORT}"
+
+
+POD_TEMPLATE_HASH = "pod-template-hash"  # the Deployment controller's label on RS and pods
+
+
+def controller_uid(obj: Body) -> str:
+    """The UID of obj's controlling owner ("" if none)."""
+    for ref in (obj.get("metadata") or {}).get("ownerReferences") or []:
+        if ref.get("controller"):
+            return str(ref.get("uid") or "")
+    return ""
+
+
+def service_pods(kube: Kube, namespace: str, isvc: str) -> list[dict[str, Any]]:
+    """isvc's pods that its own Deployment made: the only ones trusted with its token.
+
+    A label is not proof: anyone who can create a pod in the namespace can
+    label it `rekindle.dev/inferenceservice: NAME`, and the operator would
+    send that pod the admin token, copy its answers into status and maybe
+    checkpoint it. A pod is the service's only if it is controlled by a
+    ReplicaSet that the service's Deployment controls (matching UIDs) and
+    carries that ReplicaSet's pod-template-hash.
+    """
+    deployment = kube.get("Deployment", namespace, deployment_name(isvc))
+    if deployment is None:
+        return []
+    dep_uid = deployment["metadata"].get("uid") or ""
+    hashes = {
+        rs["metadata"].get("uid"): (rs["metadata"].get("labels") or {}).get(POD_TEMPLATE_HASH)
+        for rs in kube.list("ReplicaSet", namespace, selector_string(isvc))
+        if dep_uid and controller_uid(rs) == dep_uid
+    }
+    out = []
+    for pod in kube.list("Pod", namespace, selector_string(isvc)):
+        want = hashes.get(controller_uid(pod))
+        if want and (pod["metadata"].get("labels") or {}).get(POD_TEMPLATE_HASH) == want:
+            out.append(pod)
+    return out
 
 
 def read_token(kube: Kube, namespace: str, isvc: str) -> str:

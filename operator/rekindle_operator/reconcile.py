@@ -22,7 +22,7 @@ from rekindle_operator.constants import (
     ANN_RESTORED_FROM,
 )
 from rekindle_operator.kube import Kube
-from rekindle_operator.pods import Agents, read_token
+from rekindle_operator.pods import Agents, read_token, service_pods
 from rekindle_operator.selection import newest_usable, stale_changes
 from rekindle_operator.settings import Settings, from_env, image_allowed
 from rekindle_operator.shm_sizing import effective_shm_bytes, shm_need, shm_shortfall
@@ -163,8 +163,9 @@ def storage_warning(
 def observe_pods(
     kube: Kube, spec: IsvcSpec, agents: Agents, nodes: set[str] | None = None
 ) -> tuple[PodBoot, ...]:
-    """Each live pod's boot report; nodes (when given) collects the nodes they are on."""
-    pods = kube.list("Pod", spec.namespace, b.selector_string(spec.name))
+    """Each live pod's boot report; nodes (when given) collects the nodes they are on.
+    Only the Deployment's own pods are asked (service_pods): the token goes to no other."""
+    pods = service_pods(kube, spec.namespace, spec.name)
     token: str | None = None
     out = []
     for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):

@@ -194,17 +194,56 @@ def current_fingerprint(isvc: str = "tiny") -> str:
     return spec_fingerprint(spec_of({**isvc_obj(isvc)}))
 
 
+TEMPLATE_HASH = "5d9c8f7b6"
+
+
+def owners(kube: FakeKube, isvc: str = "tiny") -> None:
+    """isvc's Deployment and the ReplicaSet it controls (what owns the service's pods)."""
+    dep = kube.put(
+        {"kind": "Deployment", "metadata": {"name": b.deployment_name(isvc), "namespace": NS}}
+    )
+    kube.put(
+        {
+            "kind": "ReplicaSet",
+            "metadata": {
+                "name": f"{isvc}-{TEMPLATE_HASH}",
+                "namespace": NS,
+                "uid": f"uid-{isvc}-rs",
+                "labels": {
+                    "rekindle.dev/inferenceservice": isvc,
+                    "pod-template-hash": TEMPLATE_HASH,
+                },
+                "ownerReferences": [
+                    {"kind": "Deployment", "uid": dep["metadata"]["uid"], "controller": True}
+                ],
+            },
+        }
+    )
+
+
 def pod_obj(
-    name: str, isvc: str = "tiny", ip: str = "10.244.0.9", fingerprint: str | None = None
+    name: str,
+    isvc: str = "tiny",
+    ip: str = "10.244.0.9",
+    fingerprint: str | None = None,
+    owner_uid: str | None = None,
 ) -> dict[str, Any]:
-    """A ready pod started from the current spec (its template's fingerprint annotation)."""
+    """A ready pod started from the current spec (its template's fingerprint annotation),
+    made by isvc's ReplicaSet (owners()) unless owner_uid says otherwise ("": no owner)."""
+    uid = f"uid-{isvc}-rs" if owner_uid is None else owner_uid
+    refs = [{"kind": "ReplicaSet", "uid": uid, "controller": True}] if uid else []
     return {
         "kind": "Pod",
         "metadata": {
             "name": name,
             "namespace": NS,
-            "labels": {"rekindle.dev/inferenceservice": isvc, "rekindle.dev/serving": "true"},
+            "labels": {
+                "rekindle.dev/inferenceservice": isvc,
+                "rekindle.dev/serving": "true",
+                "pod-template-hash": TEMPLATE_HASH,
+            },
             "annotations": {"rekindle.dev/fingerprint": fingerprint or current_fingerprint(isvc)},
+            "ownerReferences": refs,
         },
         "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]},
     }
@@ -220,6 +259,7 @@ def world() -> tuple[FakeKube, Events]:
             "data": {"token": base64.b64encode(b"tok").decode()},
         }
     )
+    owners(kube)
     kube.put(pod_obj("tiny-abc"))
     return kube, []
 
@@ -283,6 +323,40 @@ def test_checkpoint_ready_pod_out_of_rotation_then_back() -> None:
     owner = kube.get("Checkpoint", NS, "c1")["metadata"]["ownerReferences"][0]  # type: ignore[index]
     assert owner["name"] == "tiny"
     assert [r for _, r, _ in events] == ["CheckpointStarted", "CheckpointReady"]
+
+
+def impostors(kube: FakeKube) -> None:
+    """Pods that carry the service's labels but that its Deployment did not make: no
+    owner, another ReplicaSet, the right ReplicaSet's UID but another template hash."""
+    kube.put(pod_obj("aaa-unowned", ip="10.244.0.66", owner_uid=""))
+    kube.put(pod_obj("aab-foreign-rs", ip="10.244.0.67", owner_uid="uid-someone-else"))
+    wrong_hash = pod_obj("aac-wrong-hash", ip="10.244.0.68")
+    wrong_hash["metadata"]["labels"]["pod-template-hash"] = "0000000"
+    kube.put(wrong_hash)
+
+
+def test_impostor_pods_get_no_token_and_are_never_checkpointed() -> None:
+    kube, events = world()
+    impostors(kube)
+    agent = FakeAgent(manifest=MANIFEST)
+    reconcile(kube, kube.get("InferenceService", NS, "tiny"), lambda *e: None, Agents(agent))  # type: ignore[arg-type]
+    new_ckpt(kube)
+    assert drive(kube, Agents(agent), events)["phase"] == "Ready"
+    assert set(agent.urls) == {"http://10.244.0.9:8081"}  # the Deployment's pod only
+    assert ckpt_status(kube)["pod"] == "tiny-abc"
+
+
+def test_only_impostors_means_no_pod_to_checkpoint() -> None:
+    kube, events = world()
+    kube.delete("Pod", NS, "tiny-abc")
+    impostors(kube)
+    agent = FakeAgent(manifest=MANIFEST)
+    new_ckpt(kube)
+    body = kube.get("Checkpoint", NS, "c1")
+    st = cp.step(kube, body, lambda *e: events.append(e), Agents(agent))  # type: ignore[arg-type]
+    # (new_ckpt's creation time is long past, so the wait for a pod is over at once)
+    assert (st["phase"], st["reason"]) == ("Failed", "NoReadyPod")
+    assert agent.urls == [] and agent.checkpoints == []
 
 
 def test_a_step_never_waits_for_the_agent() -> None:
@@ -701,7 +775,7 @@ def test_reconcile_refuses_undersized_shm_without_touching_deployment() -> None:
         Agents(FakeAgent(error=RuntimeError("x"))),
     )
     assert st["phase"] == "Failed"
-    assert kube.get("Deployment", NS, "tiny") is None
+    assert ("apply", "Deployment", "tiny") not in kube.calls
     warn = [m for k, r, m in events if r == "SharedMemorySizedBelowNeed"]
     assert warn and "600Mi" in warn[0] and "Mi (message queues" in warn[0]
 
@@ -713,7 +787,7 @@ def test_reconcile_refuses_images_outside_the_allowed_list() -> None:
     st = reconcile(kube, isvc, lambda *e: events.append(e), Agents(FakeAgent()), allowed)  # type: ignore[arg-type]
     assert st["phase"] == "Failed"
     assert "rekindle.local/runtime-cpu:dev" in st["message"] and "not an allowed" in st["message"]
-    assert kube.get("Deployment", NS, "tiny") is None
+    assert ("apply", "Deployment", "tiny") not in kube.calls
     assert events[-1][:2] == ("Warning", "InvalidSpec")
     kube.merge_patch(
         "InferenceService",

@@ -110,6 +110,10 @@ repository@digest when a digest is set (it wins over the tag), else repository:t
 - apiGroups: ["apps"]
   resources: ["deployments"]
   verbs: ["get", "list", "watch", "create", "patch"]
+# ReplicaSets: read only, to trust only pods the service's own Deployment made.
+- apiGroups: ["apps"]
+  resources: ["replicasets"]
+  verbs: ["list"]
 - apiGroups: [""]
   resources: ["services", "configmaps"]
   verbs: ["get", "create", "patch"]

@@ -14,6 +14,7 @@ from rekindle_contract.api import SERVE_PORT
 
 from rekindle_operator import admin_tls
 from rekindle_operator import builders as b
+from rekindle_operator.adoption import foreign_object
 from rekindle_operator.checkpoint_storage import node_to_prefer, restore_node, rwo_spread_warning
 from rekindle_operator.constants import (
     ANN_AGENT_READY,
@@ -231,6 +232,13 @@ def reconcile(
         if old.get("message") != str(e):
             emit("Warning", "InvalidSpec", str(e))
         return new
+
+    # Nothing is written while an object with one of our names belongs to someone else.
+    squatted = foreign_object(kube, spec, str(meta.get("uid") or ""), settings.network_policy)
+    if squatted:
+        if old.get("message") != squatted:
+            emit("Warning", "ObjectNotOurs", squatted)
+        return {**old, "phase": "Failed", "message": squatted}
 
     need = shm_need(spec)
     shm_error = shm_shortfall(spec, need)

@@ -199,9 +199,9 @@ TEMPLATE_HASH = "5d9c8f7b6"
 
 def owners(kube: FakeKube, isvc: str = "tiny") -> None:
     """isvc's Deployment and the ReplicaSet it controls (what owns the service's pods)."""
-    dep = kube.put(
-        {"kind": "Deployment", "metadata": {"name": b.deployment_name(isvc), "namespace": NS}}
-    )
+    owner = {"kind": "InferenceService", "name": isvc, "uid": f"uid-{isvc}", "controller": True}
+    meta = {"name": b.deployment_name(isvc), "namespace": NS, "ownerReferences": [owner]}
+    dep = kube.put({"kind": "Deployment", "metadata": meta})
     kube.put(
         {
             "kind": "ReplicaSet",
@@ -255,7 +255,11 @@ def world() -> tuple[FakeKube, Events]:
     kube.put(
         {
             "kind": "Secret",
-            "metadata": {"name": "tiny-agent-token", "namespace": NS},
+            "metadata": {
+                "name": "tiny-agent-token",
+                "namespace": NS,
+                "ownerReferences": [{"uid": "uid-tiny", "controller": True}],
+            },
             "data": {"token": base64.b64encode(b"tok").decode()},
         }
     )
@@ -809,3 +813,29 @@ def test_reconcile_creates_the_network_policy_when_the_operator_knows_its_pods()
     np = kube.get("NetworkPolicy", NS, "tiny-agent")
     assert np is not None
     assert np["spec"]["ingress"][1]["from"][0]["podSelector"] == {"matchLabels": {"app": "op"}}
+
+
+@pytest.mark.parametrize(
+    ("kind", "name"),
+    [("Service", "tiny"), ("Secret", "tiny-signing-key"), ("Deployment", "tiny")],
+)
+def test_an_object_with_our_name_that_is_not_ours_is_never_taken_over(kind: str, name: str) -> None:
+    """Someone else's Service `tiny` (or a signing key Secret made beforehand, whose
+    maker knows the key) stops the reconcile: Failed, one event, nothing written."""
+    kube, _ = world()
+    kube.delete("Deployment", NS, "tiny")  # world()'s own, so that the squatter's is the one
+    squatter = {"kind": kind, "metadata": {"name": name, "namespace": NS}, "spec": {"x": 1}}
+    kube.put(copy.deepcopy(squatter))
+    calls_before = list(kube.calls)
+    events: list[tuple[str, str, str]] = []
+    isvc = kube.get("InferenceService", NS, "tiny")
+    assert isvc is not None
+    agents = Agents(FakeAgent())
+    st = reconcile(kube, isvc, lambda *e: events.append(e), agents)
+    assert st["phase"] == "Failed"
+    assert st["message"].startswith(f"{kind} {name} exists and is not ours")
+    assert kube.calls == calls_before  # nothing applied, created or patched
+    assert kube.get(kind, NS, name)["spec"] == {"x": 1}  # type: ignore[index]
+    again = reconcile(kube, {**isvc, "status": st}, lambda *e: events.append(e), agents)
+    assert again["message"] == st["message"]
+    assert [r for _, r, _ in events] == ["ObjectNotOurs"]  # once, not every reconcile

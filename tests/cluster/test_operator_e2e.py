@@ -562,6 +562,41 @@ def test_shm_below_full_need_refused_by_operator(
     kubectl("delete", "rkis", "undersized", "-n", op_namespace, "--wait=false")
 
 
+def test_someone_elses_service_with_our_name_is_left_alone(
+    operator: OperatorProcess, op_namespace: str
+) -> None:
+    """A Service `squat` of another application: the InferenceService `squat` goes
+    Failed and neither the Service's selector nor anything else of ours is written."""
+    svc = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "squat"},
+        "spec": {"selector": {"app": "theirs"}, "ports": [{"port": 80}]},
+    }
+    assert apply(svc, op_namespace).returncode == 0
+    try:
+        assert (
+            apply(isvc_manifest("squat", "/var/lib/rekindle/unused"), op_namespace).returncode == 0
+        )
+        obj = wait_status(
+            "rkis", "squat", op_namespace, "Failed: the Service is not ours",
+            lambda o: "is not ours" in str((o.get("status") or {}).get("message", "")), 60,
+        )  # fmt: skip
+        assert obj["status"]["phase"] == "Failed"
+        assert obj["status"]["message"].startswith("Service squat exists and is not ours")
+        after = get("service", "squat", op_namespace)
+        assert after is not None and after["spec"]["selector"] == {"app": "theirs"}
+        for kind in ("deployment", "secret", "configmap"):
+            names = [
+                o["metadata"]["name"]
+                for o in kubectl_json("get", kind, "-n", op_namespace)["items"]
+            ]
+            assert not [n for n in names if n.startswith("squat")], (kind, names)
+    finally:
+        kubectl("delete", "rkis", "squat", "-n", op_namespace, "--wait=false")
+        kubectl("delete", "service", "squat", "-n", op_namespace, "--wait=false")
+
+
 def test_deleting_a_checkpoint_a_replica_maps_waits_for_the_replica(
     served: dict[str, Any],
     before: list[str],

@@ -5,7 +5,10 @@ reconcile.py read the Secret through the apiserver and hand it here.
 
 Whether a pod's agent speaks HTTPS is read from the pod, not from the spec:
 while a rollout turns TLS on or off, the old pods still speak what they were
-started with, and the operator must reach both kinds.
+started with, and the operator must reach both kinds. It is read from the
+pod's spec (the admin-tls Secret volume, which cannot change after the pod
+is created), never from an annotation alone: anyone who may patch pods
+could remove an annotation and have the token sent in clear.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import binascii
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from rekindle_operator.constants import NAME_LABEL
 
 # The Secret's keys, as cert-manager (and `kubectl create secret tls`, plus
 # ca.crt) writes them: the pods get the first two, the operator reads the third.
@@ -43,18 +48,25 @@ class PodTLS:
 
 
 def pod_tls(pod: Body) -> PodTLS | None:
-    """The pod's admin TLS, from its own annotation and volume; None: plain HTTP."""
-    ann = (pod.get("metadata") or {}).get("annotations") or {}
-    server_name = ann.get(ANN_SERVER_NAME)
-    if not server_name:
-        return None
+    """The pod's admin TLS, from its Secret volume (and the name in its annotation);
+    None: plain HTTP, only for a pod with neither.
+
+    A pod with the volume speaks TLS whatever its annotations say: without the
+    annotation (removed) the name checked is the Service's DNS name, the
+    default, so a removed annotation fails verification rather than downgrade.
+    """
+    meta = pod.get("metadata") or {}
+    server_name = (meta.get("annotations") or {}).get(ANN_SERVER_NAME)
     for vol in (pod.get("spec") or {}).get("volumes") or []:
         if vol.get("name") == VOLUME and (vol.get("secret") or {}).get("secretName"):
-            return PodTLS(str(vol["secret"]["secretName"]), str(server_name))
-    raise ValueError(
-        f"pod {(pod.get('metadata') or {}).get('name')} has {ANN_SERVER_NAME} "
-        f"but no {VOLUME} Secret volume"
-    )
+            isvc = (meta.get("labels") or {}).get(NAME_LABEL, "")
+            name = server_name or f"{isvc}.{meta.get('namespace', '')}.svc"
+            return PodTLS(str(vol["secret"]["secretName"]), str(name))
+    if server_name:
+        raise ValueError(
+            f"pod {meta.get('name')} has {ANN_SERVER_NAME} but no {VOLUME} Secret volume"
+        )
+    return None
 
 
 def secret_problem(secret: Body | None, namespace: str, name: str) -> str | None:

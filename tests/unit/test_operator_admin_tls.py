@@ -160,3 +160,17 @@ def test_reconcile_waits_for_the_secret_with_a_message_and_one_event() -> None:
     assert dep is not None and st["message"] == ""
     template = dep["spec"]["template"]
     assert admin_tls.pod_tls(template) == admin_tls.PodTLS(SECRET, "tiny.ns.svc")
+
+
+def test_a_removed_annotation_does_not_downgrade_to_plain_http() -> None:
+    """The Secret volume (fixed when the pod was made) decides TLS; the name checked
+    falls back to the Service's DNS name, so verification fails closed."""
+    pod = tls_pod("tiny-tls", server_name="custom.example")
+    del pod["metadata"]["annotations"][admin_tls.ANN_SERVER_NAME]
+    assert admin_tls.pod_tls(pod) == admin_tls.PodTLS(SECRET, f"tiny.{NS}.svc")
+    kube, _ = world()
+    kube.put(tls_secret(ca=b"THE CA"))
+    rec = Recorder()
+    Agents(rec, secrets=kube).ask_status(pod, "tok")
+    ((url, tls),) = rec.made
+    assert url.startswith("https://") and tls == AgentTLS(b"THE CA", f"tiny.{NS}.svc")

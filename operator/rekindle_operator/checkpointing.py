@@ -51,7 +51,7 @@ from rekindle_operator.reconcile import (
 from rekindle_operator.selection import ready_pods
 from rekindle_operator.settings import Settings, from_env, image_allowed
 from rekindle_operator.spec_fingerprint import spec_fingerprint
-from rekindle_operator.status import now_iso, parse_time
+from rekindle_operator.status import clip, now_iso, parse_time
 
 Body = Mapping[str, Any]
 Status = dict[str, Any]
@@ -566,6 +566,9 @@ def _result_status(manifest: Mapping[str, Any], started: str, how: str) -> Statu
     return out
 
 
+MAX_PHASES = 32  # phase timings recorded from a manifest (the agent reports about 10)
+
+
 def manifest_summary(manifest: Mapping[str, Any]) -> Status:
     """What a Checkpoint's status records from the agent's manifest."""
     files = manifest.get("files") or []
@@ -573,7 +576,11 @@ def manifest_summary(manifest: Mapping[str, Any]) -> Status:
     return {
         "sizeBytes": sum(int(f.get("size", 0)) for f in files),
         "files": len(files),
-        "phaseSeconds": {k: round(float(v), 3) for k, v in (manifest.get("timings") or {}).items()},
+        # The agent's phase names, bounded: its manifest is its own word, not ours.
+        "phaseSeconds": {
+            clip(k, 64): round(float(v), 3)
+            for k, v in list((manifest.get("timings") or {}).items())[:MAX_PHASES]
+        },
         "agentFingerprint": hashlib.sha256(fingerprint).hexdigest()[:16],
         "verified": bool(manifest.get("verified")),
     }

@@ -94,6 +94,15 @@ def agent_ready_seconds(pod: Body, agent: StatusReply | None) -> float | None:
 
 # Container waiting reasons that are the normal way up, not a problem to report.
 _STARTING = ("ContainerCreating", "PodInitializing")
+# What an agent says goes into status only this long: a pod's answer is not trusted to be
+# small, and status is read by every kubectl get and watch.
+MAX_AGENT_TEXT = 512
+
+
+def clip(text: object, limit: int = MAX_AGENT_TEXT) -> str:
+    """text as a string of at most limit characters (an ellipsis marks a cut)."""
+    out = str(text)
+    return out if len(out) <= limit else out[: limit - 1] + "…"
 
 
 def pod_problem(pod: Body) -> str | None:
@@ -129,7 +138,7 @@ def pod_boot(pod: Body, agent: StatusReply | None, agent_error: str | None) -> P
             name,
             pod_ready(pod),
             "unknown",
-            why,
+            clip(why),
             None,
             cold_start_seconds(pod),
             agent_ready_seconds(pod, agent),
@@ -147,12 +156,12 @@ def pod_boot(pod: Body, agent: StatusReply | None, agent_error: str | None) -> P
         name,
         pod_ready(pod),
         origin,
-        reason,
-        agent.checkpoint,
+        clip(reason),
+        clip(agent.checkpoint) if agent.checkpoint else agent.checkpoint,
         cold_start_seconds(pod),
         agent_ready_seconds(pod, agent),
-        str(memory.get("path") or ""),
-        str(memory.get("why") or ""),
+        clip(memory.get("path") or "", 64),
+        clip(memory.get("why") or ""),
         page_cache=page_cache(agent),
     )
 

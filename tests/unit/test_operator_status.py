@@ -178,3 +178,36 @@ def test_event_kinds_first_sight_is_normal_but_shm_shortfall_warns() -> None:
     ]
     bad = compute_status({}, obs(shm_error="too small"))
     assert ("Warning", "SharedMemorySizedBelowNeed") in [(k, r) for k, r, _ in transitions({}, bad)]
+
+
+def test_what_an_agent_says_is_bounded_in_status() -> None:
+    """A pod's answer goes into status clipped: it is not trusted to be small."""
+    from rekindle_operator.status import MAX_AGENT_TEXT
+
+    p = {"metadata": {"name": "p"}, "status": {"conditions": []}}
+    huge = "x" * 100_000
+    boot = pod_boot(
+        p,
+        StatusReply.from_json(
+            {
+                "state": "Ready",
+                "origin": "booted",
+                "checkpoint": huge,
+                "last_fallback": {"reason": "file_missing", "message": huge},
+            }
+        ),
+        None,
+    )
+    assert len(boot.reason) == MAX_AGENT_TEXT and boot.reason.endswith("…")
+    assert boot.reason.startswith("file_missing: xxx")
+    assert boot.checkpoint is not None and len(boot.checkpoint) == MAX_AGENT_TEXT
+    waiting = pod_boot(p, StatusReply.from_json({"state": "Restoring", "message": huge}), None)
+    assert len(waiting.reason) == MAX_AGENT_TEXT
+
+
+def test_a_manifests_phase_timings_are_bounded() -> None:
+    from rekindle_operator.checkpointing import MAX_PHASES, manifest_summary
+
+    timings = {f"phase-{i}-" + "y" * 500: float(i) for i in range(1000)}
+    got = manifest_summary({"files": [], "timings": timings})["phaseSeconds"]
+    assert len(got) == MAX_PHASES and all(len(k) <= 64 for k in got)

@@ -91,6 +91,9 @@ RESTORE_PHASES = (
     "reload_weights",
     "first_token",
 )
+# Parts of reload_weights the agent records beside it (reading or mapping the dump, then
+# the CPU GEMM repack): kept per run, never stacked on top of reload_weights in a plot.
+RELOAD_PARTS = ("reload_weights.read", "reload_weights.repack")
 
 
 def log(msg: str) -> None:
@@ -223,7 +226,7 @@ def one_run(
     if variant == "naive":
         phases["vllm_boot"] = flow.get("total", 0.0)
     else:
-        for p in RESTORE_PHASES:
+        for p in (*RESTORE_PHASES, *RELOAD_PARTS):
             if p in flow:
                 phases[p] = flow[p]
     phases = {
@@ -478,7 +481,8 @@ def plot(summary: dict[str, Any], path: Path) -> None:
 
     labels = list(summary)
     seen = {p for s in summary.values() for p in s["phases_median"]}
-    phases = [p for p in PHASE_ORDER if p in seen] + sorted(seen - set(PHASE_ORDER))
+    parts = set(RELOAD_PARTS)  # inside reload_weights already
+    phases = [p for p in PHASE_ORDER if p in seen] + sorted(seen - set(PHASE_ORDER) - parts)
     cmap = plt.get_cmap("tab20")
     color = {p: cmap(i % 20) for i, p in enumerate(phases)}
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5.5), gridspec_kw={"width_ratios": [1, 2]})

@@ -178,8 +178,10 @@ def check_namespaced_rbac(namespace: str, release: str) -> None:
         ("create", "networkpolicies.networking.k8s.io"),
         ("create", "jobs.batch"),
         ("get", "secrets"),
+        ("list", "replicasets.apps"),  # which pods the service's Deployment made
     ):
         assert can_i(namespace, release, *args, *ns), args
+    assert not can_i(namespace, release, "patch", "replicasets.apps", *ns)  # read only
     assert not can_i(namespace, release, "list", "secrets", *ns)  # the token is read by name
     assert not can_i(namespace, release, "delete", "pods", *ns)
     for other in ("default", "kube-system"):

@@ -82,9 +82,14 @@ def is_commit(repo: Path, commit: str) -> bool:
     return bool(commit) and _git(repo, "cat-file", "-e", f"{commit}^{{commit}}").returncode == 0
 
 
+# Documentation inside a measured directory (criu-patches/README.md) measures nothing.
+NOT_CODE = (":(exclude)*.md",)
+
+
 def changed_since(repo: Path, commit: str, paths: Sequence[str]) -> list[str]:
-    """Files under paths that differ between commit and HEAD (git diff COMMIT HEAD)."""
-    res = _git(repo, "diff", "--name-only", commit, "HEAD", "--", *paths)
+    """Files under paths that differ between commit and HEAD (git diff COMMIT HEAD),
+    Markdown left out."""
+    res = _git(repo, "diff", "--name-only", commit, "HEAD", "--", *paths, *NOT_CODE)
     if res.returncode != 0:
         raise RuntimeError(f"git diff {commit} HEAD failed: {res.stderr.strip()}")
     return [ln for ln in res.stdout.splitlines() if ln]
@@ -92,7 +97,7 @@ def changed_since(repo: Path, commit: str, paths: Sequence[str]) -> list[str]:
 
 def uncommitted(repo: Path, paths: Sequence[str]) -> list[str]:
     """Files under paths with changes not committed yet (modified, staged, or new)."""
-    res = _git(repo, "status", "--porcelain", "--", *paths)
+    res = _git(repo, "status", "--porcelain", "--", *paths, *NOT_CODE)
     if res.returncode != 0:
         raise RuntimeError(f"git status failed: {res.stderr.strip()}")
     return [ln[3:].split(" -> ")[-1] for ln in res.stdout.splitlines() if ln]

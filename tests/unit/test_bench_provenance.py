@@ -60,6 +60,15 @@ def test_changes_outside_the_measured_paths_keep_it_current(repo: Path) -> None:
     assert prov.check(doc_at(old), "x.json", repo).current
 
 
+def test_a_readme_inside_a_measured_directory_keeps_it_current(repo: Path) -> None:
+    """Documentation measures nothing, committed or not."""
+    old = git(repo, "rev-parse", "HEAD")
+    (repo / "src" / "agent" / "README.md").write_text("how the agent works\n")
+    commit_all(repo, "agent docs")
+    (repo / "src" / "agent" / "README.md").write_text("more\n")
+    assert prov.check(doc_at(old), "x.json", repo).current
+
+
 def test_measured_code_committed_since_makes_it_stale_and_names_the_files(repo: Path) -> None:
     old = git(repo, "rev-parse", "HEAD")
     (repo / "src" / "agent" / "a.py").write_text("y = 2\n")

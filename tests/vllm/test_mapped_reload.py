@@ -47,15 +47,24 @@ def completions(agent: AgentProc) -> list[str]:
     return [agent.complete(p) for p in PROMPTS]
 
 
-def reloads(agent: AgentProc) -> list[tuple[int, int, str, str]]:
+def reloads(agent: AgentProc, timeout: float = 60) -> list[tuple[int, int, str, str]]:
     """(bytes, mapped bytes, data file, why) of every reload in this agent's vLLM log, in
-    order (the last one is the latest: a restored log may carry older lines)."""
-    out = []
-    for line in agent.tail(100000).splitlines():
-        m = RELOAD_LINE.search(line)
-        if m and line.startswith("[vllm] "):
-            out.append((int(m[1]), int(m[2]), m[3], m[4]))
-    return out
+    order (the last one is the latest: a restored log may carry older lines).
+
+    The agent echoes vLLM's lines by following its log file, so a line vLLM wrote
+    before the agent said Ready can reach the agent's log a moment after: wait (at
+    most timeout) until there is at least one.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        out = []
+        for line in agent.tail(100000).splitlines():
+            m = RELOAD_LINE.search(line)
+            if m and line.startswith("[vllm] "):
+                out.append((int(m[1]), int(m[2]), m[3], m[4]))
+        if out or time.monotonic() >= deadline:
+            return out
+        time.sleep(0.1)
 
 
 def mappers(data: Path) -> list[int]:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import signal
 import socket
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -136,6 +137,22 @@ def scale_zero_then_one(ns: str) -> None:
     scale(ns, 0)
     wait_until("no pods left", lambda: not pods_of(NAME, ns), 180)
     scale(ns, 1)
+
+
+def checkpoint_with_plugin(
+    plugin: dict[str, str], ns: str, name: str
+) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    """`kubectl rekindle checkpoint --wait` of one replica: the plugin's run and the
+    Checkpoint it made."""
+    one_replica(ns)
+    r = run_plugin(
+        plugin, "-n", ns, "checkpoint", NAME,
+        "--checkpoint-name", name, "--wait", "--timeout", "300",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    ck = get("rkcp", name, ns)
+    assert ck is not None
+    return r, ck
 
 
 @pytest.fixture(scope="module")
@@ -262,14 +279,7 @@ def first(
 ) -> dict[str, Any]:
     """Checkpoint "first" of the booted replica (after the oracle was read), through the
     plugin: its output and the Checkpoint once Ready."""
-    one_replica(op_namespace)
-    r = run_plugin(
-        kubectl_rekindle, "-n", op_namespace, "checkpoint", NAME,
-        "--checkpoint-name", "first", "--wait", "--timeout", "300",
-    )  # fmt: skip
-    assert r.returncode == 0, r.stdout + r.stderr
-    ck = get("rkcp", "first", op_namespace)
-    assert ck is not None
+    r, ck = checkpoint_with_plugin(kubectl_rekindle, op_namespace, "first")
     return {"output": r.stdout, "checkpoint": ck}
 
 
@@ -604,14 +614,8 @@ def test_deleting_a_checkpoint_a_replica_maps_waits_for_the_replica(
     host_dir: Path,
     kubectl_rekindle: dict[str, str],
 ) -> None:
-    one_replica(op_namespace)
-    r = run_plugin(
-        kubectl_rekindle, "-n", op_namespace, "checkpoint", NAME,
-        "--checkpoint-name", "third", "--wait", "--timeout", "300",
-    )  # fmt: skip
-    assert r.returncode == 0, r.stdout + r.stderr
-    ck = get("rkcp", "third", op_namespace)
-    assert ck is not None and ck["status"]["phase"] == "Ready", ck
+    _, ck = checkpoint_with_plugin(kubectl_rekindle, op_namespace, "third")
+    assert ck["status"]["phase"] == "Ready", ck
     path, data = ck["status"]["path"], data_dir(host_dir, ck)
     scale_zero_then_one(op_namespace)
     obj = ready_with(op_namespace, "restored")

@@ -567,7 +567,8 @@ def verify_cost(ckpt: Path, threads: int, trials: int) -> dict[str, Any]:
     """The restore's content check alone, on a real checkpoint: read every file with the
     prefetcher (threads as the agent), checking nothing (size), crc32 (what older agents
     checked by default) or BLAKE3 (the default now); median seconds, warm and cold cache."""
-    from rekindle_agent import digests, manifest_io, prefetch
+    from rekindle_agent import prefetch
+    from rekindle_store import digests, manifest_io
 
     man = manifest_io.read(ckpt)
     files: list[dict[str, Any]] = [dict(f) for f in man["files"]]

@@ -34,8 +34,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from rekindle_agent import digests, prefetch, residency
+from rekindle_agent import prefetch, residency
 from rekindle_contract.manifest import IMAGES_SUBDIR, FileEntry
+from rekindle_store import digests
 
 from rekindle_dev.bench_common import provenance
 from rekindle_dev.bench_provenance import MEASURED_BY, provenance_line

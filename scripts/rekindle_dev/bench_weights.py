@@ -53,10 +53,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rekindle_agent import digests, prefetch
+from rekindle_agent import prefetch
 from rekindle_contract import rpc
 from rekindle_contract.agent_args import AgentArgs
 from rekindle_contract.manifest import FileEntry
+from rekindle_store import digests
 from rekindle_weights import format as fmt
 from rekindle_weights.dump import dump_tensors
 from rekindle_weights.reload import (

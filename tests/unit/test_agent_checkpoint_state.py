@@ -12,9 +12,10 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from rekindle_agent import manifest_io, restore
+from rekindle_agent import restore
 from rekindle_agent.agent import Agent
 from rekindle_agent.config import AgentConfig
+from rekindle_store import manifest_io
 
 
 def test_ready_comes_after_the_checkpoint_is_recorded(

@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rekindle_agent import checkpoint, fingerprint, manifest_io, prefetch, serve_routes, signing
+from rekindle_agent import auth, checkpoint, fingerprint, prefetch, serve_routes
 from rekindle_agent.agent import Agent
 from rekindle_agent.config import AgentConfig, ConfigError
 from rekindle_contract import api
 from rekindle_contract.manifest import MANIFEST_FORMAT, MANIFEST_NAME
+from rekindle_store import manifest_io, signing
 
 KEY = b"k" * 32
 OTHER = b"o" * 32
@@ -160,11 +161,11 @@ def test_read_key_needs_32_bytes(tmp_path: Path) -> None:
     f = tmp_path / "key"
     f.write_bytes(b"short\n")
     with pytest.raises(ConfigError, match="32 bytes"):
-        signing.read_key(str(f))
+        auth.read_signing_key(str(f))
     f.write_bytes(KEY + b"\n")
-    assert signing.read_key(str(f)) == KEY
+    assert auth.read_signing_key(str(f)) == KEY
     with pytest.raises(ConfigError, match="signing key file"):
-        signing.read_key(str(tmp_path / "missing"))
+        auth.read_signing_key(str(tmp_path / "missing"))
     assert signing.key_id(KEY) != signing.key_id(OTHER) and len(signing.key_id(KEY)) == 16
 
 

@@ -33,10 +33,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rekindle_agent import signing
+from rekindle_agent import auth
 from rekindle_contract import api
 from rekindle_contract.api import AgentError, StatusReply
 from rekindle_dev.harness import namespace_members
+from rekindle_store import signing
 
 from tests.vllm.conftest import (
     PROMPTS,
@@ -115,7 +116,7 @@ def _edit(ckpt: Path, change: Callable[[dict[str, Any]], None], key: Path | None
     doc = json.loads(path.read_text())
     change(doc)
     if key is not None:
-        signing.sign(doc, signing.read_key(str(key)))
+        signing.sign(doc, auth.read_signing_key(str(key)))
     path.write_text(json.dumps(doc))
 
 
@@ -212,9 +213,9 @@ def test_agent_with_a_key_signs_its_checkpoint(sec: Sec, tiny_ckpt: TinyCheckpoi
     assert security["serve_api_key"] is True, security
     assert sec.manifest["signature"]["algorithm"] == "hmac-sha256", sec.manifest["signature"]
     on_disk = json.loads((sec.good / "manifest.json").read_text())
-    signing.check(on_disk, signing.read_key(str(sec.key1)))  # raises if not signed by key1
+    signing.check(on_disk, auth.read_signing_key(str(sec.key1)))  # raises if not signed by key1
     with pytest.raises(signing.SignatureError):
-        signing.check(on_disk, signing.read_key(str(sec.key2)))
+        signing.check(on_disk, auth.read_signing_key(str(sec.key2)))
     assert sec.before == tiny_ckpt.before[:3]
 
 

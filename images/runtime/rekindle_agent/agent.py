@@ -33,6 +33,7 @@ from rekindle_contract.manifest import (
     WEIGHTS_SUBDIR,
     Manifest,
 )
+from rekindle_store import manifest_io, signing
 
 from rekindle_agent import (
     checkpoint,
@@ -40,13 +41,11 @@ from rekindle_agent import (
     fingerprint,
     gpu_preflight,
     immutable,
-    manifest_io,
     mmap_policy,
     mounts,
     reaper,
     restore,
     shm_files,
-    signing,
 )
 from rekindle_agent.config import AgentConfig
 from rekindle_agent.early import EarlyStart

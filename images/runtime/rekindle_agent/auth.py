@@ -6,6 +6,8 @@ from __future__ import annotations
 import hmac
 from pathlib import Path
 
+from rekindle_store.signing import MIN_KEY_BYTES
+
 from rekindle_agent.config import ConfigError
 
 MIN_TOKEN_BYTES = 16
@@ -38,6 +40,20 @@ def read_api_key(path: str) -> bytes:
     )
     if not key or b"\n" in key:
         raise ConfigError(f"API key in {path} is empty or spans lines")
+    return key
+
+
+def read_signing_key(path: str) -> bytes:
+    """The service's signing key (a mounted Secret): at least MIN_KEY_BYTES, whitespace stripped."""
+    key = read_secret(
+        path,
+        "signing key file {path}: {why}; mount the service's signing key Secret there "
+        "or drop --signing-key-file (checkpoints are then unsigned)",
+    )
+    if len(key) < MIN_KEY_BYTES:
+        raise ConfigError(
+            f"signing key in {path} is shorter than {MIN_KEY_BYTES} bytes; use a random key"
+        )
     return key
 
 

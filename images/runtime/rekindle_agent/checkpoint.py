@@ -29,6 +29,7 @@ from rekindle_contract.manifest import (
     WEIGHTS_SUBDIR,
     Manifest,
 )
+from rekindle_store import manifest_io
 
 from rekindle_agent import (
     __version__,
@@ -36,7 +37,6 @@ from rekindle_agent import (
     fingerprint,
     gpu_preflight,
     io_uring,
-    manifest_io,
     mmap_policy,
     proctree,
     shm_files,

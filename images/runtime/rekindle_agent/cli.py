@@ -14,7 +14,7 @@ import sys
 import threading
 from pathlib import Path
 
-from rekindle_agent import config, signing
+from rekindle_agent import auth, config
 from rekindle_agent.auth import read_api_key, read_token
 from rekindle_agent.early import EarlyStart
 
@@ -23,7 +23,7 @@ def run_agent(ns: argparse.Namespace) -> int:
     try:
         cfg = config.from_args(ns)
         config.check_model_dir(cfg.model)
-        signing_key = signing.read_key(cfg.signing_key_file) if cfg.signing_key_file else None
+        signing_key = auth.read_signing_key(cfg.signing_key_file) if cfg.signing_key_file else None
         api_key = read_api_key(cfg.api_key_file) if cfg.api_key_file else None
     except config.ConfigError as e:
         print(f"rekindle agent: {e}", file=sys.stderr)

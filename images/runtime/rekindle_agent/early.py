@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from rekindle_contract.manifest import Manifest
+from rekindle_store import manifest_io
 
-from rekindle_agent import criu, fingerprint, kdat_cache, manifest_io, prefetch
+from rekindle_agent import criu, fingerprint, kdat_cache, prefetch
 from rekindle_agent.config import AgentConfig
 from rekindle_agent.vllm_launch import vllm_command
 

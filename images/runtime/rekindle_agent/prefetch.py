@@ -25,8 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rekindle_contract.manifest import IMAGES_SUBDIR, WEIGHTS_SUBDIR, FileEntry
-
-from rekindle_agent import digests
+from rekindle_store import digests
 
 # Each thread reads (and hashes) 1 MiB at a time: the buffer stays in the CPU's
 # caches between the copy out of the page cache and the hash, where 8 MiB buffers

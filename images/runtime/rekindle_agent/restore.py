@@ -31,12 +31,12 @@ from rekindle_contract.manifest import (
     WEIGHTS_SUBDIR,
     Manifest,
 )
+from rekindle_store import manifest_io
 
 from rekindle_agent import (
     criu,
     fingerprint,
     gpu_preflight,
-    manifest_io,
     mmap_policy,
     prefetch,
     proctree,

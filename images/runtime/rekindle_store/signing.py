@@ -11,7 +11,7 @@ paths and modes in it (manifest_io.validate_paths), then the file contents
 The signature covers the canonical JSON of every key of the manifest except
 `signature` itself (sorted keys, no whitespace); it lives in the manifest, so
 the manifest and its signature are replaced together by one rename.
-Without a key (no --signing-key-file) the agent writes and accepts unsigned
+Without a key (the in-pod agent's --signing-key-file unset) the agent writes and accepts unsigned
 manifests, as before, and says so in its status.
 """
 
@@ -25,28 +25,11 @@ from typing import Any
 
 from rekindle_contract.manifest import SIGNATURE_ALGORITHM, SIGNATURE_KEY
 
-from rekindle_agent.auth import read_secret
-from rekindle_agent.config import ConfigError
-
 MIN_KEY_BYTES = 32
 
 
 class SignatureError(ValueError):
     """The manifest is unsigned, altered, or signed with another key."""
-
-
-def read_key(path: str) -> bytes:
-    """The signing key (a mounted Secret): at least MIN_KEY_BYTES, whitespace stripped."""
-    key = read_secret(
-        path,
-        "signing key file {path}: {why}; mount the service's signing key Secret there "
-        "or drop --signing-key-file (checkpoints are then unsigned)",
-    )
-    if len(key) < MIN_KEY_BYTES:
-        raise ConfigError(
-            f"signing key in {path} is shorter than {MIN_KEY_BYTES} bytes; use a random key"
-        )
-    return key
 
 
 def key_id(key: bytes) -> str:

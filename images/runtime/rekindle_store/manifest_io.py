@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, cast
 
+import rekindle_contract
 from rekindle_contract.manifest import (
     FILES_SUBDIR,
     IMAGES_SUBDIR,
@@ -32,7 +33,7 @@ from rekindle_contract.manifest import (
     Manifest,
 )
 
-from rekindle_agent import __version__, digests, signing
+from rekindle_store import digests, signing
 
 READ_CHUNK = 8 << 20
 # A manifest lists every file with its digests: tens to hundreds of KiB. Far more is not
@@ -397,7 +398,11 @@ def mark_verified(
     root: Path, manifest: Manifest, details: dict[str, Any], key: bytes | None = None
 ) -> None:
     """A checkpoint counts as good only after one restore from it served a completion."""
-    manifest["verified"] = {"at": time.time(), "agent_version": __version__, **details}
+    manifest["verified"] = {
+        "at": time.time(),
+        "agent_version": rekindle_contract.__version__,
+        **details,
+    }
     write(root, manifest, key)
     marker = root / VERIFIED_NAME
     marker.write_text(json.dumps(manifest["verified"], sort_keys=True) + "\n")

@@ -21,10 +21,7 @@ memory by mlock(2)ing a read-only mapping of them until it is killed.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import logging
-import mmap
 import os
 import re
 import shutil
@@ -35,12 +32,13 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from rekindle_store.page_cache import PAGE, mincore_pages
+
 from rekindle_agent.prefetch import deferred
 from rekindle_agent.reaper import Reaper
 
 log = logging.getLogger("rekindle.residency")
 
-PAGE = os.sysconf("SC_PAGE_SIZE")
 _RESIDENT = re.compile(r"Resident Pages:\s+(\d+)/(\d+)")
 _FILES = re.compile(r"Files:\s+(\d+)")
 # How long ResidentLock waits for vmtouch to have locked everything.
@@ -62,45 +60,6 @@ def parse_vmtouch(text: str) -> tuple[int, int, int]:
     if res is None or files is None:
         raise ValueError(f"no 'Files:'/'Resident Pages:' summary in vmtouch's output: {text!r}")
     return int(files.group(1)), int(res.group(1)), int(res.group(2))
-
-
-def _libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_size_t,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_long,
-    ]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    return libc
-
-
-def mincore_pages(path: str | os.PathLike[str]) -> tuple[int, int]:
-    """(resident pages, total pages) of one file by mincore(2) on a read-only mapping."""
-    size = os.stat(path).st_size
-    if size == 0:
-        return 0, 0
-    pages = (size + PAGE - 1) // PAGE
-    libc = _libc()
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        if addr in (None, ctypes.c_void_p(-1).value):
-            raise OSError(ctypes.get_errno(), f"mmap of {path} failed")
-        try:
-            vec = ctypes.create_string_buffer(pages)
-            if libc.mincore(addr, size, vec) != 0:
-                raise OSError(ctypes.get_errno(), f"mincore of {path} failed")
-            return sum(b & 1 for b in vec.raw), pages
-        finally:
-            libc.munmap(addr, size)
-    finally:
-        os.close(fd)
 
 
 def regular_files(path: str | os.PathLike[str]) -> list[Path]:

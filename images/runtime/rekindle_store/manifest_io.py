@@ -136,25 +136,34 @@ def read(root: Path, key: bytes | None = None, run_dir: str | None = None) -> Ma
             raw = f.read(MAX_MANIFEST_BYTES + 1)
     except OSError as e:
         raise ManifestError("manifest_invalid", f"{path}: {e}") from e
+    return parse(raw, str(path), key, run_dir)
+
+
+def parse(raw: bytes, where: str, key: bytes | None = None, run_dir: str | None = None) -> Manifest:
+    """read()'s checks on bytes already read (where names them in errors).
+
+    The node agent reads a manifest once from an opened directory and parses
+    those bytes; it never opens the file again by path.
+    """
     if len(raw) > MAX_MANIFEST_BYTES:
         raise ManifestError(
-            "manifest_invalid", f"{path}: larger than {MAX_MANIFEST_BYTES} bytes, not read"
+            "manifest_invalid", f"{where}: larger than {MAX_MANIFEST_BYTES} bytes, not read"
         )
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError) as e:  # RecursionError: nested too deeply
-        raise ManifestError("manifest_invalid", f"{path}: {type(e).__name__}: {e}") from e
+        raise ManifestError("manifest_invalid", f"{where}: {type(e).__name__}: {e}") from e
     if not isinstance(data, dict):
-        raise ManifestError("manifest_invalid", f"{path}: not a JSON object")
+        raise ManifestError("manifest_invalid", f"{where}: not a JSON object")
     try:
         signing.check(data, key)
     except signing.SignatureError as e:
-        raise ManifestError("signature_invalid", f"{path}: {e}") from e
+        raise ManifestError("signature_invalid", f"{where}: {e}") from e
     problems = validate(data)
     if not problems and run_dir is not None:
         problems = validate_paths(data, run_dir)
     if problems:
-        raise ManifestError("manifest_invalid", f"{path}: " + "; ".join(problems[:10]))
+        raise ManifestError("manifest_invalid", f"{where}: " + "; ".join(problems[:10]))
     return cast(Manifest, data)
 
 

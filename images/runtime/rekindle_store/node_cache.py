@@ -1,0 +1,285 @@
+"""The node's verified checkpoint cache: verify once, restore many times.
+
+Layout under the cache root (root-owned, 0700, on no tenant's volume):
+
+    entries/<entry>/            a checkpoint copied by verified_copy, read-only
+    entries/<entry>/.entry.json what was verified: when, on which boot, from where
+    pins/<entry>/<holder>       a replica using the entry (a mapped restore maps
+                                its files: it must outlive the replica)
+    staging/                    copies in progress (removed at start)
+
+An entry's name is a content address: the SHA-256 of the signed manifest
+without its `verified` record and signature, so the same checkpoint published
+twice is one entry, and a changed one is another. An entry written before the
+machine last booted is not trusted (its pages may never have reached the disk)
+and is copied again. The cache keeps to a byte budget by evicting the least
+recently used entries that nothing pins.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from rekindle_contract.manifest import Manifest
+
+from rekindle_store import page_cache, signing, verified_copy
+from rekindle_store.verified_copy import CopyError
+
+ENTRY_RECORD = ".entry.json"
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+
+
+def boot_id() -> str:
+    return BOOT_ID.read_text().strip()
+
+
+def entry_name(manifest_bytes: bytes) -> str:
+    """The content address of a checkpoint: its manifest minus `verified` and the signature."""
+    doc = json.loads(manifest_bytes)
+    doc.pop("verified", None)
+    return hashlib.sha256(signing.canonical(doc)).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class VerifiedCheckpoint:
+    """A checkpoint whose every byte was checked, in storage no tenant can write.
+
+    The one object a restore consumes: CRIU, the /dev/shm restore, the mmap
+    restore and the weight reload read below `path`, nowhere else.
+    """
+
+    entry: str
+    path: Path
+    manifest: Manifest
+    bytes: int
+    copied: bool  # False: it was in the cache already (verified before, this boot)
+    seconds: float  # spent verifying now (0 when it was cached)
+
+
+@dataclass(frozen=True)
+class EntryReport:
+    """What `status` says per checkpoint on this node."""
+
+    entry: str
+    source: str
+    bytes: int
+    verified_at: float
+    last_used: float
+    resident_pct: float
+    pinned_by: list[str]
+
+
+class NodeCache:
+    """Verified checkpoints under one root, within a byte budget."""
+
+    def __init__(self, root: Path, budget_bytes: int) -> None:
+        self.root = root
+        self.budget = budget_bytes
+        self.entries = root / "entries"
+        self.pins = root / "pins"
+        self.staging = root / "staging"
+        self._lock = threading.Lock()  # one copy or eviction at a time
+        for d in (root, self.entries, self.pins):
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.chmod(d, 0o700)
+        shutil.rmtree(self.staging, ignore_errors=True)
+        self.staging.mkdir(mode=0o700)
+
+    def get(
+        self, source: Path, key: bytes | None, run_dir: str | None = None, threads: int = 4
+    ) -> VerifiedCheckpoint:
+        """The verified copy of the checkpoint published at source: cached, or copied now.
+
+        Raises CopyError when the source fails a check or the budget cannot hold it.
+        """
+        dir_fd = verified_copy.open_dir(source)
+        try:
+            manifest, raw = verified_copy.read_manifest(dir_fd, str(source), key, run_dir)
+        finally:
+            os.close(dir_fd)
+        name = entry_name(raw)
+        with self._lock:
+            cached = self._cached(name, key, run_dir)
+            if cached is not None:
+                return cached
+            need = sum(int(f["size"]) for f in manifest.get("files", []))
+            self._make_room(need, name)
+            stage = Path(tempfile.mkdtemp(prefix=name + ".", dir=self.staging))
+            os.rmdir(stage)
+            try:
+                result = verified_copy.copy_verified(source, stage, key, run_dir, threads)
+                if entry_name(result.manifest_bytes) != name:
+                    raise CopyError(
+                        "checksum_mismatch", f"{source}: the manifest changed while it was copied"
+                    )
+                record = {
+                    "source": str(source),
+                    "boot_id": boot_id(),
+                    "verified_at": time.time(),
+                    "bytes": result.bytes,
+                }
+                _write_ro(stage / ENTRY_RECORD, json.dumps(record).encode())
+                _seal(stage)
+                dest = self.entries / name
+                shutil.rmtree(dest, ignore_errors=True)
+                os.rename(stage, dest)
+            except BaseException:
+                _remove(stage)
+                raise
+            self._touch(name)
+            return VerifiedCheckpoint(
+                entry=name,
+                path=dest,
+                manifest=result.manifest,
+                bytes=result.bytes,
+                copied=True,
+                seconds=result.seconds,
+            )
+
+    def _cached(
+        self, name: str, key: bytes | None, run_dir: str | None
+    ) -> VerifiedCheckpoint | None:
+        path = self.entries / name
+        record = self._record(name)
+        if record is None:
+            return None
+        if record.get("boot_id") != boot_id():
+            _remove(path)  # written before this boot: pages may be lost, copy again
+            return None
+        # Our own copy, in a root-only directory: its manifest is parsed, not re-hashed.
+        manifest = _parse_own(path, key, run_dir)
+        self._touch(name)
+        return VerifiedCheckpoint(
+            entry=name,
+            path=path,
+            manifest=manifest,
+            bytes=int(record.get("bytes", 0)),
+            copied=False,
+            seconds=0.0,
+        )
+
+    def _record(self, name: str) -> dict[str, Any] | None:
+        try:
+            data = json.loads((self.entries / name / ENTRY_RECORD).read_bytes())
+        except (OSError, ValueError):
+            return None
+        return data if isinstance(data, dict) else None
+
+    def _touch(self, name: str) -> None:
+        os.utime(self.entries / name / ENTRY_RECORD)
+
+    def _size(self, name: str) -> int:
+        record = self._record(name)
+        return int(record.get("bytes", 0)) if record else 0
+
+    def names(self) -> list[str]:
+        return sorted(p.name for p in self.entries.iterdir() if p.is_dir())
+
+    def pin(self, name: str, holder: str) -> None:
+        """Keep entry name while holder (a replica mapping its files) lives."""
+        d = self.pins / name
+        d.mkdir(mode=0o700, exist_ok=True)
+        (d / holder).touch()
+
+    def unpin(self, name: str, holder: str) -> None:
+        (self.pins / name / holder).unlink(missing_ok=True)
+
+    def pinned_by(self, name: str) -> list[str]:
+        d = self.pins / name
+        return sorted(p.name for p in d.iterdir()) if d.is_dir() else []
+
+    def _make_room(self, need: int, keep: str) -> None:
+        """Evict least recently used, unpinned entries until need fits the budget."""
+        if need > self.budget:
+            raise CopyError(
+                "cache_full",
+                f"the checkpoint needs {need} bytes, the node cache's budget is {self.budget}: "
+                "raise the node agent's cache budget",
+            )
+        used = {n: self._size(n) for n in self.names()}
+        total = sum(used.values())
+        lru = sorted(used, key=self._last_used)
+        for name in lru:
+            if total + need <= self.budget:
+                return
+            if name == keep or self.pinned_by(name):
+                continue
+            _remove(self.entries / name)
+            total -= used[name]
+        if total + need > self.budget:
+            raise CopyError(
+                "cache_full",
+                f"the node cache holds {total} bytes of checkpoints in use and its budget is "
+                f"{self.budget}: {need} more do not fit; raise the budget or stop replicas",
+            )
+
+    def _last_used(self, name: str) -> float:
+        try:
+            return (self.entries / name / ENTRY_RECORD).stat().st_mtime
+        except OSError:
+            return 0.0
+
+    def report(self) -> list[EntryReport]:
+        out = []
+        for name in self.names():
+            record = self._record(name) or {}
+            total = resident = 0
+            for f in (self.entries / name).rglob("*"):
+                if f.is_file() and not f.is_symlink():
+                    r, t = page_cache.mincore_pages(f)
+                    resident, total = resident + r, total + t
+            out.append(
+                EntryReport(
+                    entry=name,
+                    source=str(record.get("source", "")),
+                    bytes=int(record.get("bytes", 0)),
+                    verified_at=float(record.get("verified_at", 0.0)),
+                    last_used=self._last_used(name),
+                    resident_pct=round(100.0 * resident / total, 1) if total else 0.0,
+                    pinned_by=self.pinned_by(name),
+                )
+            )
+        return out
+
+    def report_json(self) -> list[dict[str, Any]]:
+        return [asdict(r) for r in self.report()]
+
+
+def _parse_own(path: Path, key: bytes | None, run_dir: str | None) -> Manifest:
+    fd = verified_copy.open_dir(path)
+    try:
+        return verified_copy.read_manifest(fd, str(path), key, run_dir)[0]
+    finally:
+        os.close(fd)
+
+
+def _write_ro(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+def _seal(root: Path) -> None:
+    """Directories read-only too: nothing is added to or removed from a verified copy."""
+    for d, _subdirs, _files in os.walk(root, topdown=False):
+        os.chmod(d, 0o555)
+
+
+def _remove(path: Path) -> None:
+    """Remove a (sealed) tree: directories are made writable first."""
+    if not path.exists():
+        return
+    for d, _subdirs, _files in os.walk(path):
+        os.chmod(d, 0o700)
+    shutil.rmtree(path, ignore_errors=True)

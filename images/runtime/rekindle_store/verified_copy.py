@@ -1,0 +1,204 @@
+"""Copy a published checkpoint into private storage, checking every byte on the way.
+
+A published checkpoint (a PVC, a node path, later an object store) is written
+by others: whoever can mount it can swap a file, or a directory for a symlink,
+between a check and a use. So nothing is checked in place and used later.
+One pass reads each file once through a descriptor opened without following
+links, hashes the bytes it read and writes those same bytes into a staging
+directory that only root can reach; a file whose digest or size differs fails
+the whole copy. What the staging directory then holds is what was hashed,
+whatever happens to the source afterwards, and a restore reads only that.
+
+The manifest is read the same way (one descriptor, bounded, parsed from the
+bytes read: manifest_io.parse), and the copy holds exactly the files it lists:
+an unlisted file in the source is never copied, so it cannot be used.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from rekindle_contract.manifest import MANIFEST_NAME, FileEntry, Manifest
+
+from rekindle_store import digests, manifest_io
+
+CHUNK = 8 << 20
+# Opening a FIFO or a device must not block or touch hardware: refuse before reading.
+_OPEN_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class CopyError(ValueError):
+    """The checkpoint cannot be used; reason is a short machine-readable word."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+@dataclass(frozen=True)
+class CopyResult:
+    manifest: Manifest
+    manifest_bytes: bytes  # exactly what was parsed and is now in the copy
+    files: int
+    bytes: int
+    seconds: float
+
+
+def open_dir(path: Path) -> int:
+    """A descriptor of the directory path, refusing a symlink as its last component."""
+    try:
+        return os.open(path, _OPEN_DIR)
+    except OSError as e:
+        raise CopyError(
+            "no_checkpoint", f"{path}: {e.strerror or e} (a directory, not a link)"
+        ) from e
+
+
+def open_below(dir_fd: int, rel: str, where: str) -> int:
+    """Open the regular file rel below dir_fd, following no link on the way."""
+    parts = rel.split("/")
+    fds: list[int] = []
+    try:
+        cur = dir_fd
+        for part in parts[:-1]:
+            cur = os.open(part, _OPEN_DIR, dir_fd=cur)
+            fds.append(cur)
+        fd = os.open(parts[-1], _OPEN_FILE, dir_fd=cur)
+    except OSError as e:
+        raise CopyError(
+            "checksum_mismatch", f"{where}/{rel}: {e.strerror or e} (links are not followed)"
+        ) from e
+    finally:
+        for f in fds:
+            os.close(f)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise CopyError("checksum_mismatch", f"{where}/{rel}: not a regular file")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def read_manifest(
+    dir_fd: int, where: str, key: bytes | None, run_dir: str | None
+) -> tuple[Manifest, bytes]:
+    """The manifest, read once through dir_fd (bounded before parsing) and checked."""
+    try:
+        fd = open_below(dir_fd, MANIFEST_NAME, where)
+    except CopyError as e:
+        raise CopyError("no_checkpoint", e.message) from e
+    try:
+        raw = os.read(fd, manifest_io.MAX_MANIFEST_BYTES + 1)
+    finally:
+        os.close(fd)
+    try:
+        return manifest_io.parse(raw, f"{where}/{MANIFEST_NAME}", key, run_dir), raw
+    except manifest_io.ManifestError as e:
+        raise CopyError(e.reason, str(e)) from e
+
+
+def expected_digest(entry: FileEntry, signed: bool) -> tuple[str, str]:
+    """(algorithm, hex digest) to check entry with: blake3 where recorded and installed,
+    else sha256; crc32 (forgeable) only for an unsigned checkpoint."""
+    order = ["blake3", "sha256"] if digests.have_blake3() else ["sha256"]
+    if not signed:
+        order.append("crc32")
+    for algo in order:
+        value = entry.get(algo)
+        if isinstance(value, str) and value:
+            return algo, value
+    raise CopyError("manifest_invalid", f"{entry['path']}: no usable digest in the manifest")
+
+
+def copy_file(src_dir: int, entry: FileEntry, dst_root: Path, where: str, signed: bool) -> int:
+    """Copy one listed file into dst_root, hashing what is read; raise on any difference."""
+    rel = entry["path"]
+    algo, want = expected_digest(entry, signed)
+    hasher = digests.new(algo, threads=4 if entry["size"] >= (256 << 20) else 1)
+    dst = dst_root / rel
+    dst.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    src = open_below(src_dir, rel, where)
+    try:
+        out = os.open(
+            dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+        )
+        try:
+            copied = _copy_hashed(src, out, hasher.update)
+        finally:
+            os.close(out)
+    finally:
+        os.close(src)
+    if copied != entry["size"]:
+        raise CopyError(
+            "checksum_mismatch", f"{where}/{rel}: {copied} bytes, the manifest says {entry['size']}"
+        )
+    if hasher.hexdigest() != want:
+        raise CopyError("checksum_mismatch", f"{where}/{rel}: {algo} digest does not match")
+    os.chmod(dst, 0o444)
+    return copied
+
+
+def _copy_hashed(src: int, out: int, update: Callable[[memoryview], object]) -> int:
+    """Read src to its end, feeding each chunk to update before writing it to out."""
+    buf = bytearray(CHUNK)
+    view = memoryview(buf)
+    total = 0
+    while True:
+        n = os.readv(src, [buf])
+        if n == 0:
+            return total
+        chunk = view[:n]
+        update(chunk)
+        written = 0
+        while written < n:
+            written += os.write(out, chunk[written:])
+        total += n
+
+
+def copy_verified(
+    source: Path,
+    staging: Path,
+    key: bytes | None,
+    run_dir: str | None = None,
+    threads: int = 4,
+) -> CopyResult:
+    """Copy the checkpoint at source into staging (created, must not exist), checked.
+
+    Raises CopyError (staging is then left for the caller to remove). With a key
+    the manifest must be signed by it; every listed file must match its size and
+    digest as it is read. The copy's files are read-only, its manifest is the
+    exact bytes that were checked.
+    """
+    t0 = time.monotonic()
+    where = str(source)
+    dir_fd = open_dir(source)
+    try:
+        manifest, raw = read_manifest(dir_fd, where, key, run_dir)
+        staging.mkdir(mode=0o700)
+        entries = sorted(manifest.get("files", []), key=lambda e: -e["size"])
+        signed = key is not None
+        with ThreadPoolExecutor(max(1, threads), thread_name_prefix="verify") as pool:
+            sizes = list(pool.map(lambda e: copy_file(dir_fd, e, staging, where, signed), entries))
+    finally:
+        os.close(dir_fd)
+    man = staging / MANIFEST_NAME
+    fd = os.open(man, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o444)
+    try:
+        os.write(fd, raw)
+    finally:
+        os.close(fd)
+    return CopyResult(
+        manifest=manifest,
+        manifest_bytes=raw,
+        files=len(sizes),
+        bytes=sum(sizes),
+        seconds=time.monotonic() - t0,
+    )

@@ -42,6 +42,7 @@ def host_facts(**loads: tuple[float, float, float]) -> dict[str, Any]:
 # any of them changed after the commit it was made from.
 MEASURED_ALWAYS = (
     "images/runtime/rekindle_agent",
+    "images/runtime/rekindle_store",
     "images/runtime/rekindle_weights",
     "operator/rekindle_contract",
     "criu-patches",

@@ -1,0 +1,149 @@
+"""Run the node agent's own CRIU inside a pod's pid and mount namespaces.
+
+CRIU must run in the pod's pid namespace (a restore recreates the tree's pids
+there, reparented to the pod's PID 1) and mount namespace (the tree's files,
+/dev/shm and /proc are the pod's). `nsenter -t <pod PID 1> -p -m` gets it
+there, but then every path is the pod's: a `criu` found by path would be the
+tenant image's binary, run as root with every capability. So nothing is looked
+up by path inside the pod. The node agent opens its own dynamic loader, its
+library directory and its CRIU binary before entering, and the command is
+`/proc/self/fd/<loader> --library-path /proc/self/fd/<libs> /proc/self/fd/<criu>`:
+magic links to files of the node agent's image, valid in any mount namespace.
+Image and work directories are passed the same way (`-D /proc/self/fd/<dir>`),
+so a dump is written to, and a restore reads from, node-private storage the pod
+cannot see.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+
+LOADER = Path("/lib64/ld-linux-x86-64.so.2")
+LIBDIR = Path("/lib/x86_64-linux-gnu")
+
+
+@dataclass(frozen=True)
+class CriuFiles:
+    """The node agent's CRIU and what it needs to run, in the node agent's filesystem."""
+
+    criu: Path
+    loader: Path = LOADER
+    libdir: Path = LIBDIR
+    plugins: Path | None = None  # CRIU's plugin directory (-L), e.g. the CUDA plugin
+
+
+@dataclass
+class Descriptors:
+    """Descriptors opened in the node agent, to be named as /proc/self/fd/N in the pod."""
+
+    stack: ExitStack = field(default_factory=ExitStack)
+    fds: list[int] = field(default_factory=list)
+
+    def open(self, path: Path, directory: bool = False) -> str:
+        flags = os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECTORY if directory else 0)
+        fd = os.open(path, flags)
+        self.stack.callback(os.close, fd)
+        self.fds.append(fd)
+        return f"/proc/self/fd/{fd}"
+
+    def close(self) -> None:
+        self.stack.close()
+
+
+@dataclass(frozen=True)
+class CriuResult:
+    returncode: int
+    output: str
+
+
+def criu_prefix(files: CriuFiles, fds: Descriptors) -> list[str]:
+    """argv that runs the node agent's CRIU from descriptors (no path looked up in the pod)."""
+    return [
+        fds.open(files.loader),
+        "--library-path",
+        fds.open(files.libdir, directory=True),
+        fds.open(files.criu),
+    ]
+
+
+def in_pod(pod_init: int, argv: list[str]) -> list[str]:
+    """argv run in the pid and mount namespaces of the pod whose PID 1 is pod_init."""
+    return ["nsenter", "-t", str(pod_init), "-p", "-m", "--", *argv]
+
+
+def dump_argv(
+    files: CriuFiles,
+    fds: Descriptors,
+    pod_init: int,
+    pid_in_pod: int,
+    images: Path,
+    extra: list[str],
+) -> list[str]:
+    """`criu dump` of the tree rooted at pid_in_pod (its pid inside the pod) into images."""
+    args = ["dump", "-t", str(pid_in_pod), "-D", fds.open(images, directory=True)]
+    args += ["-o", "dump.log", "-v4", *extra]
+    if files.plugins is not None:
+        args += ["-L", fds.open(files.plugins, directory=True)]
+    return in_pod(pod_init, [*criu_prefix(files, fds), *args])
+
+
+def restore_argv(
+    files: CriuFiles,
+    fds: Descriptors,
+    pod_init: int,
+    images: Path,
+    work: Path,
+    extra: list[str],
+) -> list[str]:
+    """`criu restore -d` of images (read-only, verified) into the pod; logs go to work."""
+    args = ["restore", "-d", "-D", fds.open(images, directory=True)]
+    args += ["-W", fds.open(work, directory=True), "-o", "restore.log", "-v4", *extra]
+    if files.plugins is not None:
+        args += ["-L", fds.open(files.plugins, directory=True)]
+    return in_pod(pod_init, [*criu_prefix(files, fds), *args])
+
+
+def run(argv: list[str], fds: Descriptors, timeout: float) -> CriuResult:
+    """Run argv with exactly fds inherited; stdin is /dev/null (CRIU must not hold ours)."""
+    try:
+        out = subprocess.run(
+            argv,
+            pass_fds=tuple(fds.fds),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+    finally:
+        fds.close()
+    return CriuResult(returncode=out.returncode, output=out.stdout)
+
+
+def dump(
+    files: CriuFiles,
+    pod_init: int,
+    pid_in_pod: int,
+    images: Path,
+    extra: list[str],
+    timeout: float = 600.0,
+) -> CriuResult:
+    fds = Descriptors()
+    return run(dump_argv(files, fds, pod_init, pid_in_pod, images, extra), fds, timeout)
+
+
+def restore(
+    files: CriuFiles,
+    pod_init: int,
+    images: Path,
+    work: Path,
+    extra: list[str],
+    timeout: float = 600.0,
+) -> CriuResult:
+    fds = Descriptors()
+    return run(restore_argv(files, fds, pod_init, images, work, extra), fds, timeout)

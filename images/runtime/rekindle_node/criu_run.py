@@ -81,11 +81,13 @@ def dump_argv(
     pod_init: int,
     pid_in_pod: int,
     images: Path,
+    work: Path,
     extra: list[str],
 ) -> list[str]:
-    """`criu dump` of the tree rooted at pid_in_pod (its pid inside the pod) into images."""
+    """`criu dump` of the tree rooted at pid_in_pod (its pid inside the pod) into images;
+    the log goes to work (dump.log), so images holds only what CRIU dumped."""
     args = ["dump", "-t", str(pid_in_pod), "-D", fds.open(images, directory=True)]
-    args += ["-o", "dump.log", "-v4", *extra]
+    args += ["-W", fds.open(work, directory=True), "-o", "dump.log", "-v4", *extra]
     if files.plugins is not None:
         args += ["-L", fds.open(files.plugins, directory=True)]
     return in_pod(pod_init, [*criu_prefix(files, fds), *args])
@@ -130,11 +132,12 @@ def dump(
     pod_init: int,
     pid_in_pod: int,
     images: Path,
+    work: Path,
     extra: list[str],
     timeout: float = 600.0,
 ) -> CriuResult:
     fds = Descriptors()
-    return run(dump_argv(files, fds, pod_init, pid_in_pod, images, extra), fds, timeout)
+    return run(dump_argv(files, fds, pod_init, pid_in_pod, images, work, extra), fds, timeout)
 
 
 def restore(

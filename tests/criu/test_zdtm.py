@@ -56,9 +56,10 @@ transition/shmem transition/lazy-thp transition/epoll transition/file_read trans
 """
 SUBSET = _SUBSET.split()
 
-# Fail here for causes outside CRIU's memory restore, stock and patched alike, where this
-# machine has the cause: the line of the run's log that shows the cause, and why
-# (criu-patches/README.md). Any other failure with stock fails this test.
+# Fail here with stock CRIU for causes outside its memory restore, where this machine has
+# the cause: the line of the run's log that shows the cause, and why
+# (criu-patches/README.md). Any other failure with stock fails this test. mlock_setuid
+# passes with the patched CRIU (patch 0006 reads the rlimits from /proc/PID/limits).
 ENV_FAILURES = {
     "zdtm/static/mlock_setuid": (
         "Can't get rlimit 0: Operation not permitted",

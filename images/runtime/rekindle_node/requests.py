@@ -1,0 +1,153 @@
+"""The node agent's request socket: one JSON request per connection, answered by
+whoever the kernel says is calling.
+
+A request names the pod it concerns (`pod_uid`) so that a mistake is refused
+rather than acted on for the caller; what decides is the caller's identity
+(identity.identify on the connection's peer credentials), never the request:
+a pod may only ask about itself. A caller that is no pod's container is refused
+before its request is parsed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import socketserver
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rekindle_node import identity
+from rekindle_node.identity import IdentityError, PodContainer
+
+MAX_REQUEST_BYTES = 64 << 10
+OPS = ("dump", "restore", "status")
+
+
+class Refused(PermissionError):
+    """The caller may not ask this."""
+
+
+@dataclass(frozen=True)
+class Request:
+    op: str
+    pod_uid: str
+    args: dict[str, Any]
+
+
+Handler = Callable[[PodContainer, Request], dict[str, Any]]
+Resolver = Callable[[int], PodContainer]
+
+
+def parse(raw: bytes) -> Request:
+    """A request line: {"op": ..., "pod_uid": ..., "args": {...}} (ValueError: malformed)."""
+    if len(raw) > MAX_REQUEST_BYTES:
+        raise ValueError(f"request larger than {MAX_REQUEST_BYTES} bytes")
+    doc = json.loads(raw)
+    if not isinstance(doc, dict):
+        raise ValueError("request is not a JSON object")
+    op, pod_uid, args = doc.get("op"), doc.get("pod_uid"), doc.get("args", {})
+    if op not in OPS:
+        raise ValueError(f"op {op!r}: use one of {', '.join(OPS)}")
+    if not isinstance(pod_uid, str) or not pod_uid:
+        raise ValueError("pod_uid: the UID of the pod the request is about")
+    if not isinstance(args, dict):
+        raise ValueError("args is not a JSON object")
+    return Request(op=op, pod_uid=pod_uid, args=args)
+
+
+def authorize(caller: PodContainer, request: Request) -> None:
+    """A pod may ask only about itself."""
+    if request.pod_uid != caller.pod_uid:
+        raise Refused(
+            f"pod {caller.namespace}/{caller.pod} asked to {request.op} pod {request.pod_uid}: "
+            "a pod may only ask the node agent about itself"
+        )
+
+
+class _Handler(socketserver.StreamRequestHandler):
+    server: RequestServer
+
+    def handle(self) -> None:
+        answer = self.server.answer(self.connection)
+        self.wfile.write(json.dumps(answer).encode() + b"\n")
+        self.wfile.flush()
+        # Unread input at close would reset the connection before the caller reads
+        # the answer (a refused caller's request is never read): discard it first.
+        self.connection.shutdown(socket.SHUT_WR)
+        self.connection.settimeout(1)
+        with contextlib.suppress(OSError):
+            while self.connection.recv(65536):
+                pass
+
+
+class RequestServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    """A unix socket the node agent answers on; handlers by op."""
+
+    daemon_threads = True
+
+    def __init__(
+        self, path: Path, handlers: dict[str, Handler], resolve: Resolver = identity.identify
+    ) -> None:
+        self.handlers = handlers
+        self.resolve = resolve
+        super().__init__(str(path), _Handler)
+
+    def answer(self, conn: socket.socket) -> dict[str, Any]:
+        try:
+            caller = self.resolve(identity.peer(conn).pid)
+        except IdentityError as e:
+            return {"ok": False, "error": "refused", "message": str(e)}
+        conn.settimeout(30)
+        try:
+            request = parse(_read_line(conn))
+            authorize(caller, request)
+            handler = self.handlers.get(request.op)
+            if handler is None:
+                raise ValueError(f"op {request.op!r} is not served by this node agent")
+            return {"ok": True, **handler(caller, request)}
+        except Refused as e:
+            return {"ok": False, "error": "refused", "message": str(e)}
+        except (ValueError, OSError) as e:
+            return {"ok": False, "error": "bad_request", "message": str(e)}
+
+
+def _read_line(conn: socket.socket) -> bytes:
+    buf = bytearray()
+    while b"\n" not in buf:
+        chunk = conn.recv(4096)
+        if not chunk:
+            break
+        buf += chunk
+        if len(buf) > MAX_REQUEST_BYTES:
+            raise ValueError(f"request larger than {MAX_REQUEST_BYTES} bytes")
+    return bytes(buf.split(b"\n", 1)[0])
+
+
+def serve_in_thread(server: RequestServer) -> threading.Thread:
+    t = threading.Thread(
+        target=server.serve_forever,
+        kwargs={"poll_interval": 0.05},
+        name="node-requests",
+        daemon=True,
+    )
+    t.start()
+    return t
+
+
+def call(path: Path, op: str, pod_uid: str, args: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The caller's side: one request, one answer."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(30)
+        s.connect(str(path))
+        s.sendall(json.dumps({"op": op, "pod_uid": pod_uid, "args": args or {}}).encode() + b"\n")
+        data = bytearray()
+        while chunk := s.recv(65536):
+            data += chunk
+    result = json.loads(bytes(data))
+    if not isinstance(result, dict):
+        raise ValueError("the node agent's answer is not a JSON object")
+    return result

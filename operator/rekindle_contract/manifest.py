@@ -50,6 +50,9 @@ class Manifest(TypedDict, total=False):
     files: list[FileEntry]
     timings: dict[str, float]  # seconds per checkpoint phase
     verified: dict[str, Any]  # set once a restore from it served
+    # Where a node agent's dump came from: namespace, pod, pod_uid, node. Signed
+    # with the rest: a restore goes only into a pod of the same namespace.
+    identity: dict[str, Any]
     # HMAC-SHA256 over the canonical JSON of every other key, with the
     # InferenceService's signing key: {"algorithm", "key_id", "value"}; absent
     # when the agent had no key (an unsigned checkpoint).

@@ -50,3 +50,12 @@ LOOPBACK_ENV = {
     "GLOO_SOCKET_IFNAME": "lo",
     "NCCL_SOCKET_IFNAME": "lo",
 }
+
+# The node agent's socket in a serving pod: the pod mounts an emptyDir (default
+# medium) named NODE_SOCKET_VOLUME at NODE_SOCKET_DIR; the node agent, which sees
+# the pod's containers through the runtime, binds NODE_SOCKET_NAME inside that
+# volume. Only that pod sees it; no hostPath in the pod.
+NODE_SOCKET_VOLUME = "rekindle-node"
+NODE_SOCKET_DIR = "/run/rekindle-node"
+NODE_SOCKET_NAME = "node.sock"
+NODE_SOCKET = f"{NODE_SOCKET_DIR}/{NODE_SOCKET_NAME}"

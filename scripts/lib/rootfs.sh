@@ -91,6 +91,7 @@ install_project() {
 	done
 	[[ $keep == *" rekindle_dev "* ]] || rm -f "$out$venv_path/bin/rekindle-dev"
 	[[ $keep == *" rekindle_agent "* ]] || rm -f "$out$venv_path/bin/rekindle"
+	[[ $keep == *" rekindle_node "* ]] || rm -f "$out$venv_path/bin/rekindle-node"
 	[[ $keep == *" rekindle_operator "* ]] || rm -f "$out$venv_path/bin/kubectl-rekindle"
 	sed -i "1s|^#!.*python.*$|#!$venv_path/bin/python|" "$out$venv_path"/bin/*
 	# Same source, same bytes: the image is keyed by this layer's content.

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from rekindle_node import requests
 from rekindle_node.identity import IdentityError, PodContainer
-from rekindle_node.requests import Request, RequestServer
+from rekindle_node.requests import Caller, Request, RequestServer
 
 POD_A = PodContainer("a" * 64, "vllm", "team-a", "chat-a", "uid-a")
 
@@ -24,8 +24,9 @@ POD_A = PodContainer("a" * 64, "vllm", "team-a", "chat-a", "uid-a")
 def served(tmp_path: Path) -> Iterator[tuple[Path, list[tuple[PodContainer, Request]]]]:
     calls: list[tuple[PodContainer, Request]] = []
 
-    def dump(caller: PodContainer, req: Request) -> dict[str, Any]:
-        calls.append((caller, req))
+    def dump(caller: Caller, req: Request) -> dict[str, Any]:
+        assert (caller.pid, caller.uid) == (os.getpid(), os.getuid())
+        calls.append((caller.container, req))
         return {"dumped": req.pod_uid}
 
     def as_pod_a(pid: int) -> PodContainer:

@@ -71,8 +71,10 @@ def criu_prefix(files: CriuFiles, fds: Descriptors) -> list[str]:
 
 
 def in_pod(pod_init: int, argv: list[str]) -> list[str]:
-    """argv run in the pid and mount namespaces of the pod whose PID 1 is pod_init."""
-    return ["nsenter", "-t", str(pod_init), "-p", "-m", "--", *argv]
+    """argv run in the pod's namespaces (those of its PID 1, pod_init): pid and mount,
+    and network, IPC and UTS, so that CRIU sees the tree's namespaces as its own and
+    dumps none of them."""
+    return ["nsenter", "-t", str(pod_init), "-p", "-m", "-n", "-i", "-u", "--", *argv]
 
 
 def dump_argv(

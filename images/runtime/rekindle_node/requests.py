@@ -31,6 +31,24 @@ class Refused(PermissionError):
     """The caller may not ask this."""
 
 
+class OperationError(RuntimeError):
+    """A handler failed; reason is a short machine-readable word."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who is asking: the kernel's credentials and the pod the runtime says they are in."""
+
+    pid: int  # host pid of the connecting process
+    uid: int
+    gid: int
+    container: PodContainer
+
+
 @dataclass(frozen=True)
 class Request:
     op: str
@@ -38,7 +56,7 @@ class Request:
     args: dict[str, Any]
 
 
-Handler = Callable[[PodContainer, Request], dict[str, Any]]
+Handler = Callable[[Caller, Request], dict[str, Any]]
 Resolver = Callable[[int], PodContainer]
 
 
@@ -97,20 +115,24 @@ class RequestServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
         super().__init__(str(path), _Handler)
 
     def answer(self, conn: socket.socket) -> dict[str, Any]:
+        peer = identity.peer(conn)
         try:
-            caller = self.resolve(identity.peer(conn).pid)
+            container = self.resolve(peer.pid)
         except IdentityError as e:
             return {"ok": False, "error": "refused", "message": str(e)}
+        caller = Caller(pid=peer.pid, uid=peer.uid, gid=peer.gid, container=container)
         conn.settimeout(30)
         try:
             request = parse(_read_line(conn))
-            authorize(caller, request)
+            authorize(container, request)
             handler = self.handlers.get(request.op)
             if handler is None:
                 raise ValueError(f"op {request.op!r} is not served by this node agent")
             return {"ok": True, **handler(caller, request)}
         except Refused as e:
             return {"ok": False, "error": "refused", "message": str(e)}
+        except OperationError as e:
+            return {"ok": False, "error": e.reason, "message": str(e)}
         except (ValueError, OSError) as e:
             return {"ok": False, "error": "bad_request", "message": str(e)}
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -29,7 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from rekindle_contract.manifest import Manifest
+from rekindle_contract.manifest import MANIFEST_NAME, Manifest
 
 from rekindle_store import page_cache, signing, verified_copy
 from rekindle_store.verified_copy import CopyError
@@ -144,6 +145,60 @@ class NodeCache:
                 copied=True,
                 seconds=result.seconds,
             )
+
+    def new_staging(self) -> Path:
+        """A fresh directory (0700) to write a checkpoint into before add_own()."""
+        return Path(tempfile.mkdtemp(prefix="own.", dir=self.staging))
+
+    def add_own(self, stage: Path, source: str, key: bytes | None) -> VerifiedCheckpoint:
+        """Take in a checkpoint the node agent wrote itself into stage (new_staging()).
+
+        Its manifest lists digests of what was written, taken as it was written:
+        nothing else wrote there (a root-only directory), so it enters the cache
+        without a second read.
+        """
+        raw = (stage / MANIFEST_NAME).read_bytes()
+        manifest = _parse_own(stage, key, None)
+        name = entry_name(raw)
+        size = sum(int(f["size"]) for f in manifest.get("files", []))
+        with self._lock:
+            try:
+                self._make_room(size, name)
+                record = {
+                    "source": source,
+                    "boot_id": boot_id(),
+                    "verified_at": time.time(),
+                    "bytes": size,
+                }
+                _write_ro(stage / ENTRY_RECORD, json.dumps(record).encode())
+                for f in stage.rglob("*"):
+                    if f.is_file():
+                        os.chmod(f, 0o444)
+                _seal(stage)
+                dest = self.entries / name
+                _remove(dest)
+                os.rename(stage, dest)
+            except BaseException:
+                _remove(stage)
+                raise
+            self._touch(name)
+        return VerifiedCheckpoint(
+            entry=name, path=dest, manifest=manifest, bytes=size, copied=False, seconds=0.0
+        )
+
+    def lookup(
+        self, name: str, key: bytes | None, run_dir: str | None = None
+    ) -> VerifiedCheckpoint | None:
+        """The cached entry name (None: not here, or from an earlier boot)."""
+        if not re.fullmatch(r"[0-9a-f]{32}", name):
+            return None
+        with self._lock:
+            return self._cached(name, key, run_dir)
+
+    def unpin_holder(self, holder: str) -> None:
+        """holder is gone (its pod ended): it maps nothing any more."""
+        for d in self.pins.iterdir():
+            (d / holder).unlink(missing_ok=True)
 
     def _cached(
         self, name: str, key: bytes | None, run_dir: str | None

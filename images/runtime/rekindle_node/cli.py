@@ -1,0 +1,104 @@
+"""`rekindle-node`: the node agent's entry point (the DaemonSet's command)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import secrets
+import signal
+import socket
+import sys
+from pathlib import Path
+
+from rekindle_store.node_cache import NodeCache
+
+from rekindle_node import criu_run
+from rekindle_node.operations import NodeSettings, Operations
+from rekindle_node.pod_sockets import PodSockets
+
+KEY_FILE = "node-signing-key"
+
+log = logging.getLogger("rekindle.node")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rekindle-node", description=__doc__)
+    p.add_argument(
+        "--state-dir",
+        type=Path,
+        default=Path("/var/lib/rekindle-node"),
+        help="root-only node storage: the verified cache, the node's key, CRIU's logs",
+    )
+    p.add_argument(
+        "--cache-budget-gib",
+        type=float,
+        default=50.0,
+        help="bytes of checkpoints the cache may hold (least recently used unpinned go first)",
+    )
+    p.add_argument(
+        "--containerd-tasks",
+        type=Path,
+        default=Path("/run/containerd/io.containerd.runtime.v2.task/k8s.io"),
+        help="containerd's task bundles of the CRI namespace: how pods are found and identified",
+    )
+    p.add_argument("--criu", type=Path, default=Path(os.environ.get("REKINDLE_CRIU", "criu")))
+    p.add_argument("--criu-plugins", type=Path, default=None, help="CRIU's -L (CUDA plugin)")
+    p.add_argument("--scan-interval", type=float, default=0.1, help="seconds between pod scans")
+    p.add_argument("--node-name", default=os.environ.get("NODE_NAME") or socket.gethostname())
+    return p
+
+
+def node_key(state: Path) -> bytes:
+    """The node's signing key: made once, root-only, never leaves the node agent."""
+    path = state / KEY_FILE
+    try:
+        key = path.read_bytes()
+    except FileNotFoundError:
+        key = secrets.token_bytes(32)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
+        with os.fdopen(fd, "wb") as f:
+            f.write(key)
+    if len(key) < 32:
+        raise SystemExit(f"{path}: shorter than 32 bytes; remove it to make a new key")
+    return key
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if os.geteuid() != 0:
+        print("rekindle-node: must run as root (it runs CRIU for the node's pods)", file=sys.stderr)
+        return 2
+    if not args.containerd_tasks.is_dir():
+        print(
+            f"rekindle-node: {args.containerd_tasks} is not a directory: mount containerd's "
+            "task directory (hostPath) there or set --containerd-tasks",
+            file=sys.stderr,
+        )
+        return 2
+    state: Path = args.state_dir
+    state.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(state, 0o700)
+    cache = NodeCache(state / "cache", budget_bytes=int(args.cache_budget_gib * (1 << 30)))
+    ops = Operations(
+        NodeSettings(
+            criu=criu_run.CriuFiles(criu=args.criu, plugins=args.criu_plugins),
+            work=state / "work",
+            node=args.node_name,
+        ),
+        cache,
+        node_key(state),
+    )
+    sockets = PodSockets(args.containerd_tasks, ops.handlers(), on_gone=cache.unpin_holder)
+    signal.signal(signal.SIGTERM, lambda *_: sockets.stop())
+    log.info("node %s: watching %s", args.node_name, args.containerd_tasks)
+    try:
+        sockets.run(args.scan_interval)
+    finally:
+        sockets.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -44,6 +44,12 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--criu", type=Path, default=Path(os.environ.get("REKINDLE_CRIU", "criu")))
     p.add_argument("--criu-plugins", type=Path, default=None, help="CRIU's -L (CUDA plugin)")
+    p.add_argument(
+        "--cgroup-root",
+        type=Path,
+        default=Path("/sys/fs/cgroup"),
+        help="the node's cgroupfs (a hostPath mount): CRIU joins a pod's cgroups through it",
+    )
     p.add_argument("--scan-interval", type=float, default=0.1, help="seconds between pod scans")
     p.add_argument("--node-name", default=os.environ.get("NODE_NAME") or socket.gethostname())
     return p
@@ -86,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             criu=criu_run.CriuFiles(criu=args.criu, plugins=args.criu_plugins),
             work=state / "work",
             node=args.node_name,
+            cgroup_root=args.cgroup_root,
         ),
         cache,
         node_key(state),

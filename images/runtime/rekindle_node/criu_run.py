@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 LOADER = Path("/lib64/ld-linux-x86-64.so.2")
+PROC = Path("/proc")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
 LIBDIR = Path("/lib/x86_64-linux-gnu")
 
 
@@ -111,12 +113,55 @@ def restore_argv(
     return in_pod(pod_init, [*criu_prefix(files, fds), *args])
 
 
-def run(argv: list[str], fds: Descriptors, timeout: float) -> CriuResult:
-    """Run argv with exactly fds inherited; stdin is /dev/null (CRIU must not hold ours)."""
+def cgroup_procs(pod_init: int, proc: Path = PROC, root: Path = CGROUP_ROOT) -> list[Path]:
+    """The cgroup.procs files of pod_init's cgroups, one per hierarchy (v1) or the one (v2)."""
+    out = []
+    for line in (proc / str(pod_init) / "cgroup").read_text().splitlines():
+        _id, controllers, path = line.split(":", 2)
+        if controllers == "":
+            # The unified hierarchy: the root on cgroup v2, unified/ beside v1 (hybrid).
+            base = root if (root / "cgroup.controllers").is_file() else root / "unified"
+        else:
+            name = controllers.removeprefix("name=")
+            base = root / name
+        if not base.is_dir():
+            continue  # a named hierarchy this node does not mount (or a test's)
+        procs = base / path.lstrip("/") / "cgroup.procs"
+        if procs.is_file():
+            out.append(procs)
+    if not out:
+        raise FileNotFoundError(
+            f"none of the cgroups of the pod's PID 1 ({pod_init}) is under {root}: mount the "
+            "node's /sys/fs/cgroup there (a container sees only its own cgroups at "
+            "/sys/fs/cgroup) and pass it as --cgroup-root"
+        )
+    return out
+
+
+def join_cgroups(procs: list[Path]) -> None:
+    """Move the calling process into those cgroups (runs in the child before exec)."""
+    pid = str(os.getpid()).encode()
+    for p in procs:
+        fd = os.open(p, os.O_WRONLY)
+        try:
+            os.write(fd, pid)
+        finally:
+            os.close(fd)
+
+
+def run(
+    argv: list[str], fds: Descriptors, timeout: float, cgroups: list[Path] | None = None
+) -> CriuResult:
+    """Run argv with exactly fds inherited; stdin is /dev/null (CRIU must not hold ours).
+
+    cgroups: CRIU (and so the tree it restores) joins them before it starts, so a
+    restored tree is charged to, and limited as, the pod it runs in.
+    """
     try:
         out = subprocess.run(
             argv,
             pass_fds=tuple(fds.fds),
+            preexec_fn=(lambda: join_cgroups(cgroups)) if cgroups else None,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -137,9 +182,12 @@ def dump(
     work: Path,
     extra: list[str],
     timeout: float = 600.0,
+    cgroup_root: Path = CGROUP_ROOT,
 ) -> CriuResult:
+    cgroups = cgroup_procs(pod_init, root=cgroup_root)
     fds = Descriptors()
-    return run(dump_argv(files, fds, pod_init, pid_in_pod, images, work, extra), fds, timeout)
+    argv = dump_argv(files, fds, pod_init, pid_in_pod, images, work, extra)
+    return run(argv, fds, timeout, cgroups)
 
 
 def restore(
@@ -149,6 +197,9 @@ def restore(
     work: Path,
     extra: list[str],
     timeout: float = 600.0,
+    cgroup_root: Path = CGROUP_ROOT,
 ) -> CriuResult:
+    cgroups = cgroup_procs(pod_init, root=cgroup_root)
     fds = Descriptors()
-    return run(restore_argv(files, fds, pod_init, images, work, extra), fds, timeout)
+    argv = restore_argv(files, fds, pod_init, images, work, extra)
+    return run(argv, fds, timeout, cgroups)

@@ -38,7 +38,9 @@ DUMP_FLAGS = (
     "--network-lock",
     "skip",
 )
-RESTORE_FLAGS = DUMP_FLAGS
+# A restore goes into the pod's own cgroups, which CRIU joins before it starts
+# (criu_run.join_cgroups): the cgroups recorded at dump time were another pod's.
+RESTORE_FLAGS = (*DUMP_FLAGS, "--manage-cgroups=ignore")
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,7 @@ class NodeSettings:
     criu: criu_run.CriuFiles
     work: Path  # CRIU's logs, per operation
     node: str  # this node's name, recorded in what it dumps
+    cgroup_root: Path = criu_run.CGROUP_ROOT  # the node's cgroupfs, as the node agent sees it
     timeout: float = 600.0
 
 
@@ -78,6 +81,7 @@ class Operations:
                 work,
                 list(DUMP_FLAGS),
                 timeout=self.settings.timeout,
+                cgroup_root=self.settings.cgroup_root,
             )
             if res.returncode != 0:
                 raise OperationError("criu_failed", _criu_failure("dump", res, work))
@@ -132,6 +136,7 @@ class Operations:
                 work,
                 list(RESTORE_FLAGS),
                 timeout=self.settings.timeout,
+                cgroup_root=self.settings.cgroup_root,
             )
             if res.returncode != 0:
                 self.cache.unpin(entry.entry, caller.container.pod_uid)

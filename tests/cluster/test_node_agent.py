@@ -100,6 +100,7 @@ try:
     with open(f"/proc/{pid}/cgroup") as a, open("/proc/1/cgroup") as b:
         out["cgroup"], out["pod_cgroup"] = a.read(), b.read()
     out["status"] = requests.call(SOCK, "status", UID)
+    out["devices"] = requests.call(SOCK, "devices", UID)
 except BaseException as e:
     out["error"] = repr(e)
 print("RESULT " + json.dumps(out), flush=True)
@@ -226,6 +227,8 @@ def test_an_unprivileged_pod_is_dumped_and_restored_by_the_node_agent(node_agent
         pod = kubectl_json("get", "-n", ns, "pod/serving")
         assert entries[0]["pinned_by"] == [pod["metadata"]["uid"]]
         assert pod["spec"]["securityContext"]["runAsUser"] == 65534
+        # The kubelet's record of the pod's devices (a CPU node: none), through the node agent.
+        assert got["devices"] == {"ok": True, "container": "main", "gpus": [], "devices": []}
     finally:
         kubectl("delete", "namespace", ns, "--wait=false", check=False)
 

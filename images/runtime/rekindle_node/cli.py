@@ -15,6 +15,7 @@ from rekindle_store.node_cache import NodeCache
 
 from rekindle_node import criu_run
 from rekindle_node.operations import NodeSettings, Operations
+from rekindle_node.pod_resources import PodResourcesClient
 from rekindle_node.pod_sockets import PodSockets
 
 KEY_FILE = "node-signing-key"
@@ -49,6 +50,13 @@ def parser() -> argparse.ArgumentParser:
         type=Path,
         default=Path("/sys/fs/cgroup"),
         help="the node's cgroupfs (a hostPath mount): CRIU joins a pod's cgroups through it",
+    )
+    p.add_argument(
+        "--pod-resources-socket",
+        type=Path,
+        default=None,
+        help="the kubelet's PodResources socket (<kubelet root>/pod-resources/kubelet.sock): "
+        "the devices a pod was allocated",
     )
     p.add_argument("--scan-interval", type=float, default=0.1, help="seconds between pod scans")
     p.add_argument("--node-name", default=os.environ.get("NODE_NAME") or socket.gethostname())
@@ -96,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         cache,
         node_key(state),
+        PodResourcesClient(str(args.pod_resources_socket)) if args.pod_resources_socket else None,
     )
     sockets = PodSockets(args.containerd_tasks, ops.handlers(), on_gone=cache.unpin_holder)
     signal.signal(signal.SIGTERM, lambda *_: sockets.stop())

@@ -22,6 +22,7 @@ from rekindle_store import manifest_io
 from rekindle_store.node_cache import NodeCache
 
 from rekindle_node import criu_run, identity
+from rekindle_node.pod_resources import PodResourcesClient, PodResourcesError
 from rekindle_node.requests import Caller, OperationError, Refused, Request
 
 # CRIU's flags for a serving tree: a session of its own, established TCP connections
@@ -55,14 +56,26 @@ class NodeSettings:
 class Operations:
     """The handlers of the request socket (requests.RequestServer)."""
 
-    def __init__(self, settings: NodeSettings, cache: NodeCache, key: bytes) -> None:
+    def __init__(
+        self,
+        settings: NodeSettings,
+        cache: NodeCache,
+        key: bytes,
+        pod_resources: PodResourcesClient | None = None,
+    ) -> None:
         self.settings = settings
         self.cache = cache
         self.key = key
+        self.pod_resources = pod_resources
         settings.work.mkdir(mode=0o700, parents=True, exist_ok=True)
 
     def handlers(self) -> dict[str, Any]:
-        return {"dump": self.dump, "restore": self.restore, "status": self.status}
+        return {
+            "dump": self.dump,
+            "restore": self.restore,
+            "status": self.status,
+            "devices": self.devices,
+        }
 
     def dump(self, caller: Caller, req: Request) -> dict[str, Any]:
         """Dump the tree rooted at args.pid (its pid in the caller's pod) into the cache."""
@@ -154,6 +167,31 @@ class Operations:
             if entry is not None and entry.manifest.get("identity", {}).get("namespace") == ns:
                 out.append(r)
         return {"entries": out}
+
+    def devices(self, caller: Caller, req: Request) -> dict[str, Any]:
+        """The caller's own container's devices, as the kubelet allocated them.
+
+        What a pod's environment says (NVIDIA_VISIBLE_DEVICES is `all` under CDI
+        injection) is never read: the kubelet's PodResources API is the record.
+        """
+        if self.pod_resources is None:
+            raise OperationError(
+                "unsupported",
+                "this node agent has no kubelet PodResources socket (--pod-resources-socket)",
+            )
+        c = caller.container
+        try:
+            pod = self.pod_resources.get(c.namespace, c.pod)
+        except PodResourcesError as e:
+            raise OperationError("kubelet_error", str(e)) from e
+        mine = [x for x in pod.containers if x.container == c.container]
+        return {
+            "container": c.container,
+            "gpus": list(mine[0].gpus) if mine else [],
+            "devices": [
+                {"resource": d.resource, "ids": list(d.ids)} for x in mine for d in x.devices
+            ],
+        }
 
 
 def _identity(caller: Caller, node: str) -> dict[str, str]:

@@ -24,7 +24,7 @@ from rekindle_node import identity
 from rekindle_node.identity import IdentityError, PodContainer
 
 MAX_REQUEST_BYTES = 64 << 10
-OPS = ("dump", "restore", "status")
+OPS = ("dump", "restore", "status", "devices")
 
 
 class Refused(PermissionError):

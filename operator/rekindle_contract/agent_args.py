@@ -99,6 +99,15 @@ class AgentArgs:
         "sign. Unset: checkpoints are unsigned",
         default=None,
     )
+    node_socket: str | None = _opt(
+        "the node agent's socket (its emptyDir in this pod): the node agent runs CRIU and "
+        "holds the checkpoints, the pod needs no privilege. Unset: the agent runs CRIU itself",
+        default=None,
+    )
+    pod_uid: str | None = _opt(
+        "this pod's UID (the downward API), what the agent asks the node agent about",
+        default=None,
+    )
     dump_timeout: float = _opt("seconds CRIU's dump may take", default=600.0)
     checkpoint_timeout: float = _opt(
         "watchdog: seconds a whole checkpoint (drain, dump, proving restore) may take "

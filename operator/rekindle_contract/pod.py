@@ -59,3 +59,9 @@ NODE_SOCKET_VOLUME = "rekindle-node"
 NODE_SOCKET_DIR = "/run/rekindle-node"
 NODE_SOCKET_NAME = "node.sock"
 NODE_SOCKET = f"{NODE_SOCKET_DIR}/{NODE_SOCKET_NAME}"
+
+# The node agent's socket, for the in-pod agent (set: CRIU runs in the node agent,
+# checkpoints live in its cache; unset: the agent runs CRIU itself, privileged).
+NODE_SOCKET_ENV = "REKINDLE_NODE_SOCKET"
+# The pod's own UID (downward API): what the in-pod agent asks the node agent about.
+POD_UID_ENV = "REKINDLE_POD_UID"

@@ -85,8 +85,8 @@ try:
     out["other_pod"] = requests.call(SOCK, "dump", "0000-not-this-pod", {"pid": w.pid})
     out["dump"] = requests.call(SOCK, "dump", UID, {"pid": w.pid})
     w.wait(timeout=60)  # the dump ended the worker
-    name = out["dump"].get("checkpoint")
-    out["restore"] = requests.call(SOCK, "restore", UID, {"checkpoint": name})
+    out["commit"] = requests.call(SOCK, "commit", UID, {"name": "first", "manifest": {}})
+    out["restore"] = requests.call(SOCK, "restore", UID, {"name": "first"})
     pid = out["restore"].get("pid")
     out["pid_same"] = pid == w.pid
     os.kill(pid, signal.SIGUSR1)
@@ -211,10 +211,12 @@ def test_an_unprivileged_pod_is_dumped_and_restored_by_the_node_agent(node_agent
         kubectl("apply", "-n", ns, "-f", "-", input=_serving_pod("serving"))
         got = _result(ns, "serving")
         assert "error" not in got, got
+        assert got["commit"]["ok"] is True, got["commit"]
         other = got["other_pod"]
         assert (other["ok"], other["error"]) == (False, "refused"), other
         assert "a pod may only ask the node agent about itself" in other["message"]
         assert got["dump"]["ok"] is True, got["dump"]
+        assert got["commit"]["ok"] is True, got["commit"]
         assert got["restore"]["ok"] is True, got["restore"]
         assert got["pid_same"] is True
         assert got["answer"] == f"1 {got['token']}"  # its memory came back
@@ -223,7 +225,8 @@ def test_an_unprivileged_pod_is_dumped_and_restored_by_the_node_agent(node_agent
         assert got["ppid"] == 1  # re-parented to the pod's PID 1
         assert got["cgroup"] == got["pod_cgroup"]  # charged to the pod, not to the node agent
         entries = got["status"]["entries"]
-        assert [e["entry"] for e in entries] == [got["dump"]["checkpoint"]]
+        assert [e["entry"] for e in entries] == [got["commit"]["checkpoint"]]
+        assert got["restore"]["checkpoint"] == got["commit"]["checkpoint"]
         pod = kubectl_json("get", "-n", ns, "pod/serving")
         assert entries[0]["pinned_by"] == [pod["metadata"]["uid"]]
         assert pod["spec"]["securityContext"]["runAsUser"] == 65534

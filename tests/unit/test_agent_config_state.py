@@ -88,6 +88,8 @@ def test_every_setting_round_trips_through_agent_argv(monkeypatch: pytest.Monkey
         clear_shm=False,
         api_key_file="/secrets/api-key",
         signing_key_file="/secrets/signing-key",
+        node_socket="/run/rekindle-node/node.sock",
+        pod_uid="0d5a6c7e-1111-4a3b-9c2d-0123456789ab",
         dump_timeout=45.0,
         checkpoint_timeout=120.0,
         prefetch_timeout=33.0,

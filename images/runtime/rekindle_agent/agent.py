@@ -48,6 +48,7 @@ from rekindle_agent import (
     shm_files,
 )
 from rekindle_agent.config import AgentConfig
+from rekindle_agent.criu_backend import BackendError, CriuBackend, InPod, NodeAgent
 from rekindle_agent.early import EarlyStart
 from rekindle_agent.metrics import Metrics
 from rekindle_agent.state import Status
@@ -56,19 +57,6 @@ from rekindle_agent.vllm_launch import VLLM_HOST, vllm_command
 from rekindle_agent.vllm_process import VllmProcess, describe_exit
 
 log = logging.getLogger("rekindle.agent")
-NS_LAST_PID = "/proc/sys/kernel/ns_last_pid"
-
-
-def set_ns_last_pid(floor: int) -> None:
-    """Push this PID namespace's next PIDs up to floor.
-
-    As PID 1 of a pod, the agent's own helpers (threads, criu, prefetch) take
-    low PIDs; vLLM's tree gets PIDs above floor, and a restore in a new pod
-    recreates those PIDs without colliding with the new agent's helpers.
-    """
-    with contextlib.suppress(OSError, ValueError):
-        if int(Path(NS_LAST_PID).read_text()) < floor:
-            Path(NS_LAST_PID).write_text(str(floor))
 
 
 class Agent:
@@ -100,6 +88,14 @@ class Agent:
                 "no --signing-key-file: checkpoints are written and restored unsigned "
                 "(anyone who can write the checkpoint volume decides what is restored)"
             )
+        self.backend: CriuBackend = (
+            NodeAgent(cfg.node_socket, cfg.pod_uid or "") if cfg.node_socket else InPod(cfg.criu)
+        )
+        if not self.backend.agent_signs:
+            # The node agent signs with its own key and verifies into its cache; the
+            # agent reads the verified copy through the descriptor the node agent gives.
+            self.status.security["checkpoint_signing"] = "node agent"
+            self.status.security["checkpoint_mount"] = "node agent's verified cache (read-only)"
         self.metrics = Metrics()
         self.metrics.set_state("Booting")
         self.reaper = reaper.Reaper()
@@ -204,7 +200,7 @@ class Agent:
         t0 = time.monotonic()
         os.makedirs(os.path.join(cfg.run_dir, "tmp"), mode=0o700, exist_ok=True)
         if os.getpid() == 1 and cfg.ns_last_pid > 0:
-            set_ns_last_pid(cfg.ns_last_pid)
+            self.backend.reserve_pids(cfg.ns_last_pid)
         try:
             self.vllm.spawn()  # refuses a vLLM port someone else listens on
         except RuntimeError as e:
@@ -249,15 +245,18 @@ class Agent:
         """
         self.set_state("Restoring", f"restoring from {ckpt}")
 
+        readable = ckpt
+
         def choose(man: Manifest) -> mmap_policy.Decision:
             if copy_why:
                 return mmap_policy.Decision(False, copy_why)
-            return self.mmap_decision(man, ckpt)
+            return self.mmap_decision(man, readable)
 
         try:
-            early = self.early.take_prefetcher(ckpt)
+            readable = self.backend.readable(ckpt)
+            early = self.early.take_prefetcher(ckpt) if readable == ckpt else None
             phases, memory = restore.restore(
-                ckpt,
+                readable,
                 self.vllm,
                 self.control,
                 self.criu_info(),
@@ -267,9 +266,13 @@ class Agent:
                 manifest=early[0] if early else None,
                 require_verified=require_verified,
                 choose_mmap=choose,
-                key=self.signing_key,
+                key=self.signing_key if self.backend.agent_signs else None,
+                backend=self.backend,
+                name=ckpt,
             )
         except Exception as e:  # a bug must not crash-loop the pod either
+            if isinstance(e, BackendError):
+                e = restore.RestoreError(e.reason, str(e))
             self._fell_back(ckpt, e)
             if self.terminal:
                 return False
@@ -316,7 +319,8 @@ class Agent:
             required = cfg.restore_policy == "require"
             try:
                 if cfg.checkpoint and cfg.restore_policy != "never":
-                    self._mount_read_only(Path(cfg.checkpoint))
+                    if self.backend.privileged:
+                        self._mount_read_only(Path(cfg.checkpoint))
                     self.restore_or_fallback(
                         Path(cfg.checkpoint), require_verified=True, boot_on_failure=not required
                     )
@@ -479,17 +483,24 @@ class Agent:
             self._checkpoint_failed(ckpt, err)
             raise err
         try:
-            manifest_io.mark_verified(
-                ckpt, man, {"restore_seconds": self.status.timings["restore"]}, self.signing_key
+            self.backend.mark_verified(
+                ckpt,
+                ckpt,
+                man,
+                {"restore_seconds": self.status.timings["restore"]},
+                self.signing_key,
             )
-        except OSError as e:
+        except (OSError, BackendError) as e:
             err = checkpoint.CheckpointError(
                 f"recording the proof failed: {e}", reason=checkpoint.os_reason(e)
             )
             self._checkpoint_failed(ckpt, err)
             raise err from e
-        protection = self._protect(ckpt, man)
-        weights_protection = self._protect_weights(ckpt, man)
+        if self.backend.privileged:
+            protection = self._protect(ckpt, man)
+            weights_protection = self._protect_weights(ckpt, man)
+        else:
+            protection = weights_protection = "node agent's cache: root-owned, sealed"
         self.metrics.checkpoints.labels("ok").inc()
         self.status.timings["checkpoint"] = dict(man["timings"])
         self.status.last_checkpoint = {
@@ -536,7 +547,14 @@ class Agent:
         except OSError as e:
             raise checkpoint.CheckpointError(str(e), reason="criu_failed") from e
         man = checkpoint.checkpoint(
-            ckpt, self.vllm, self.control, info, self.cfg, self.fingerprint(), self.signing_key
+            ckpt,
+            self.vllm,
+            self.control,
+            info,
+            self.cfg,
+            self.fingerprint(),
+            self.signing_key,
+            backend=self.backend,
         )
         self.status.weights_rpc = "available" if man["weights"]["released"] else "unavailable"
         return man

@@ -27,6 +27,7 @@ from rekindle_contract.manifest import (
     MANIFEST_FORMAT,
     SHM_SUBDIR,
     WEIGHTS_SUBDIR,
+    FileEntry,
     Manifest,
 )
 from rekindle_store import manifest_io
@@ -42,6 +43,7 @@ from rekindle_agent import (
     shm_files,
 )
 from rekindle_agent.config import AgentConfig
+from rekindle_agent.criu_backend import BackendError, CriuBackend, InPod
 from rekindle_agent.vllm_control import VllmCallError, VllmControl, missing_method
 from rekindle_agent.vllm_process import VllmProcess
 
@@ -143,6 +145,7 @@ def checkpoint(
     fp: dict[str, Any],
     key: bytes | None = None,
     preflight_root: str = "/",
+    backend: CriuBackend | None = None,
 ) -> Manifest:
     """Dump the running vLLM into ckpt; returns the manifest (signed with key, not yet verified).
 
@@ -152,6 +155,7 @@ def checkpoint(
     /proc, "/" but in tests) and its facts join the fingerprint. Raises
     CheckpointError.
     """
+    backend = backend or InPod(criu_info.binary)
     root = vllm.root_pid
     if root is None or not proctree.alive(root):
         raise CheckpointError("vLLM is not running", serving=False)
@@ -194,11 +198,12 @@ def checkpoint(
     t = _mark(phases, "inspect", t)
 
     log = str(ckpt / DUMP_LOG)
-    argv = criu.dump_argv(criu_info.binary, root, str(images), log, plugins=cfg.criu_plugins)
+    env_argv = None
     if gpu is not None:
-        argv = gpu_preflight.criu_env_argv(argv, gpu.cuda_checkpoint, os.environ.get("PATH"))
+        cuda = gpu.cuda_checkpoint
+        env_argv = lambda a: gpu_preflight.criu_env_argv(a, cuda, os.environ.get("PATH"))  # noqa: E731
     try:
-        res = vllm.reaper.run(argv, timeout=cfg.dump_timeout)
+        backend.dump(vllm.reaper, root, images, log, cfg.criu_plugins, cfg.dump_timeout, env_argv)
     except TimeoutError as e:
         # Killed mid-dump, CRIU may leave the tree frozen or with its parasite
         # code inside: it cannot be trusted to serve again. The agent kills it
@@ -212,20 +217,15 @@ def checkpoint(
     except OSError as e:
         serving = not weights["released"] or _undo_release(control, weights_dir)
         raise CheckpointError(f"cannot run criu: {e}", serving=serving, reason=os_reason(e)) from e
-    t = _mark(phases, "criu_dump", t)
-    if res.returncode != 0:
-        tail = ""
-        with contextlib.suppress(OSError):
-            tail = criu.log_tail(Path(log).read_text(errors="replace"))
+    except BackendError as e:
         serving = proctree.alive(root)
         if serving and weights["released"]:
             serving = _undo_release(control, weights_dir)
-        reason = os_reason(OSError(tail))
+        reason = os_reason(OSError(str(e)))
         if reason == "io_error":
             reason = "criu_failed"
-        raise CheckpointError(
-            f"criu dump exited {res.returncode}:\n{tail}", serving=serving, reason=reason
-        )
+        raise CheckpointError(str(e), serving=serving, reason=reason) from e
+    t = _mark(phases, "criu_dump", t)
     vllm.dumped(pids)
 
     # CRIU killed the tree: from here a failure means vLLM is gone (the agent boots it).
@@ -246,9 +246,12 @@ def checkpoint(
         extra += save_extra(ckpt, other_remaps, exact=True, start=1)
         t = _mark(phases, "save_files", t)
 
-        rel = [r for r in manifest_io.list_files(ckpt) if r != DUMP_LOG]
-        entries = manifest_io.checksum_files(ckpt, rel, threads=max(2, cfg.prefetch_threads // 2))
-        t = _mark(phases, "checksums", t)
+        entries: list[FileEntry] = []
+        if backend.agent_signs:  # else the node agent hashes what it takes in
+            rel = [r for r in manifest_io.list_files(ckpt) if r != DUMP_LOG]
+            threads = max(2, cfg.prefetch_threads // 2)
+            entries = manifest_io.checksum_files(ckpt, rel, threads=threads)
+            t = _mark(phases, "checksums", t)
         phases["total"] = t - t_start
 
         man: Manifest = {
@@ -278,7 +281,7 @@ def checkpoint(
             "files": entries,
             "timings": phases,
         }
-        manifest_io.write(ckpt, man, key)
+        backend.finish(ckpt, man, key)
     except Exception as e:
         # The dumped tree's /dev/shm files and CRIU's link-remaps would only leak.
         shm_files.remove(sorted(shm_names | shm_remaps))
@@ -287,6 +290,8 @@ def checkpoint(
                 os.unlink(p)
         if isinstance(e, CheckpointError):
             raise
+        if isinstance(e, BackendError):
+            raise CheckpointError(str(e), serving=False, reason="criu_failed") from e
         reason = os_reason(e) if isinstance(e, OSError) else "internal"
         raise CheckpointError(
             f"saving the checkpoint failed after CRIU stopped vLLM: {e}",

@@ -24,6 +24,8 @@ from rekindle_contract.pod import (
     API_KEY_ENV,
     CHECKPOINT_ENV,
     CRIU_ENV,
+    NODE_SOCKET_ENV,
+    POD_UID_ENV,
     SIGNING_KEY_ENV,
     TOKEN_ENV,
 )
@@ -35,6 +37,8 @@ ENV_VARS = {
     "token_file": TOKEN_ENV,
     "api_key_file": API_KEY_ENV,
     "signing_key_file": SIGNING_KEY_ENV,
+    "node_socket": NODE_SOCKET_ENV,
+    "pod_uid": POD_UID_ENV,
 }
 # Content checks that authenticate (with a signed manifest); crc32 and size do not.
 SECURE_VERIFY = ("blake3", "sha256")
@@ -82,6 +86,11 @@ class AgentConfig(AgentArgs):
             raise ConfigError("--keep-resident-mb must be >= 0 (0: off)")
         if self.checkpoint_timeout <= self.drain_timeout:
             raise ConfigError("--checkpoint-timeout must be longer than --drain-timeout")
+        if self.node_socket and not self.pod_uid:
+            raise ConfigError(
+                "--node-socket needs --pod-uid (or REKINDLE_POD_UID from the downward API): "
+                "the node agent answers a pod only about itself"
+            )
         if self.signing_key_file and self.verify_checksums not in SECURE_VERIFY:
             raise ConfigError(
                 f"--verify-checksums {self.verify_checksums} with --signing-key-file: a signed "

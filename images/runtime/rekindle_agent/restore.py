@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 from rekindle_contract.manifest import (
-    IMAGES_SUBDIR,
     SHM_SUBDIR,
     VERIFIED_NAME,
     WEIGHTS_SUBDIR,
@@ -44,6 +43,7 @@ from rekindle_agent import (
     weights_map,
 )
 from rekindle_agent.config import AgentConfig
+from rekindle_agent.criu_backend import BackendError, CriuBackend, InPod, RestoreOptions
 from rekindle_agent.vllm_control import VllmCallError, VllmControl
 from rekindle_agent.vllm_process import VllmProcess
 
@@ -140,6 +140,8 @@ def restore(
     choose_mmap: Callable[[Manifest], mmap_policy.Decision],
     key: bytes | None = None,
     manifest: Manifest | None = None,
+    backend: CriuBackend | None = None,
+    name: Path | None = None,
 ) -> tuple[dict[str, float], mmap_policy.Decision]:
     """Run the whole restore; returns phase seconds and how memory came back. Raises RestoreError.
 
@@ -153,8 +155,10 @@ def restore(
     fp() is the fingerprint of this environment (compared with the
     checkpoint's); prefetcher is one already reading ckpt (started early, with
     manifest, the manifest it was started from), or None to start one here
-    when cfg.prefetch says so.
+    when cfg.prefetch says so. ckpt is where the checkpoint is read (the backend's
+    readable()); name is what it is called (the operator's path), when they differ.
     """
+    backend = backend or InPod(criu_info.binary)
     t_start = time.monotonic()
     deadline = t_start + cfg.prefetch_timeout
     phases: dict[str, float] = {}
@@ -229,24 +233,7 @@ def restore(
         t = mark("shm", t)
 
         wait_pids_free(list(dumped.get("pids", [dumped["root_pid"]])))
-        pidfile = os.path.join(cfg.run_dir, "restore.pid")
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(pidfile)
-        # Never into the checkpoint: it is shared by every pod restoring from it.
-        criu_log = os.path.join(cfg.run_dir, "restore.log")
-        argv = criu.restore_argv(
-            criu_info.binary,
-            str(ckpt / IMAGES_SUBDIR),
-            criu_log,
-            pidfile,
-            mmap=decision.use,
-            mmap_heap=decision.heap,
-            plugins=cfg.criu_plugins,
-            # CRIU 4.2.1's CUDA plugin hangs in its late resume hook when the tasks
-            # are left stopped (tests/criu/test_cuda_plugin.py): on GPU the tree runs
-            # at once, and every file was checked above instead.
-            stopped=cfg.device != "cuda",
-        )
+        env_argv = None
         if cfg.device == "cuda":
             # The same preflight as a GPU checkpoint: CRIU's CUDA plugin would turn
             # itself off silently and the restored tree would have no GPU state.
@@ -259,24 +246,24 @@ def restore(
             )
             if not gpu.ok:
                 raise RestoreError("criu_restore_failed", gpu.message())
-            argv = gpu_preflight.criu_env_argv(
-                argv, gpu.facts.cuda_checkpoint, os.environ.get("PATH")
-            )
+            cuda = gpu.facts.cuda_checkpoint
+            env_argv = lambda a: gpu_preflight.criu_env_argv(a, cuda, os.environ.get("PATH"))  # noqa: E731
+        opts = RestoreOptions(
+            mmap=decision.use,
+            mmap_heap=decision.heap,
+            # CRIU 4.2.1's CUDA plugin hangs in its late resume hook when the tasks
+            # are left stopped (tests/criu/test_cuda_plugin.py): on GPU the tree runs
+            # at once, and every file was checked above instead.
+            stopped=cfg.device != "cuda",
+            plugins=cfg.criu_plugins,
+            timeout=cfg.restore_timeout,
+        )
         try:
-            res = vllm.reaper.run(argv, timeout=cfg.restore_timeout)
-        except TimeoutError as e:
-            raise RestoreError(
-                "criu_restore_failed", f"criu restore took longer than {cfg.restore_timeout:g}s"
-            ) from e
-        if res.returncode != 0:
-            tail = ""
-            with contextlib.suppress(OSError):
-                tail = criu.log_tail(Path(criu_log).read_text(errors="replace"))
-            raise RestoreError(
-                "criu_restore_failed",
-                f"criu restore exited {res.returncode}: {res.output[-500:]}{tail}",
+            restored_root = backend.restore(
+                vllm.reaper, name or ckpt, ckpt, cfg.run_dir, opts, env_argv
             )
-        restored_root = int(Path(pidfile).read_text().strip())
+        except BackendError as e:
+            raise RestoreError("criu_restore_failed", str(e)) from e
         vllm.adopt(restored_root)
         t = mark("criu_restore", t)
 

@@ -10,20 +10,30 @@ made in (the signed manifest says which).
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from rekindle_contract.manifest import IMAGES_SUBDIR, MANIFEST_FORMAT, Manifest
-from rekindle_store import manifest_io
-from rekindle_store.node_cache import NodeCache
+from rekindle_contract.manifest import (
+    IMAGES_SUBDIR,
+    MANIFEST_FORMAT,
+    MANIFEST_NAME,
+    FileEntry,
+    Manifest,
+)
+from rekindle_store import manifest_io, verified_copy
+from rekindle_store.node_cache import NodeCache, VerifiedCheckpoint
 
 from rekindle_node import criu_run, identity
 from rekindle_node.pod_resources import PodResourcesClient, PodResourcesError
-from rekindle_node.requests import Caller, OperationError, Refused, Request
+from rekindle_node.requests import FD_KEY, Caller, OperationError, Refused, Request
 
 # CRIU's flags for a serving tree: a session of its own, established TCP connections
 # (the API server's clients), external unix sockets, deleted-but-open files, file
@@ -53,6 +63,15 @@ class NodeSettings:
     timeout: float = 600.0
 
 
+@dataclass
+class _Pending:
+    """A dump waiting for its commit (one per pod)."""
+
+    stage: Path
+    pid: int
+    seconds: float
+
+
 class Operations:
     """The handlers of the request socket (requests.RequestServer)."""
 
@@ -67,18 +86,28 @@ class Operations:
         self.cache = cache
         self.key = key
         self.pod_resources = pod_resources
+        self.pending: dict[str, _Pending] = {}  # by pod UID
+        self._lock = threading.Lock()
         settings.work.mkdir(mode=0o700, parents=True, exist_ok=True)
 
     def handlers(self) -> dict[str, Any]:
         return {
             "dump": self.dump,
+            "commit": self.commit,
+            "open": self.open,
+            "mark_verified": self.mark_verified,
             "restore": self.restore,
+            "reserve_pids": self.reserve_pids,
             "status": self.status,
             "devices": self.devices,
         }
 
     def dump(self, caller: Caller, req: Request) -> dict[str, Any]:
-        """Dump the tree rooted at args.pid (its pid in the caller's pod) into the cache."""
+        """CRIU-dump the tree rooted at args.pid (its pid in the caller's pod) into staging.
+
+        CRIU ends the tree. The dump waits for the caller's commit, which adds the
+        files the caller saved after it (the /dev/shm files, the weight dump).
+        """
         pid = _int_arg(req, "pid")
         pod_init = identity.namespace_init(caller.pid)
         t0 = time.monotonic()
@@ -98,45 +127,117 @@ class Operations:
             )
             if res.returncode != 0:
                 raise OperationError("criu_failed", _criu_failure("dump", res, work))
-            t_dump = time.monotonic()
-            files = manifest_io.checksum_files(stage, manifest_io.list_files(stage), threads=4)
-            man = cast(
-                Manifest,
-                {
-                    "format": MANIFEST_FORMAT,
-                    "created_at": time.time(),
-                    "fingerprint": _dict_arg(req, "fingerprint"),
-                    "vllm": {"root_pid": pid},
-                    "criu": {"dump_flags": list(DUMP_FLAGS)},
-                    "files": files,
-                    "identity": _identity(caller, self.settings.node),
-                    "timings": {"criu_dump": t_dump - t0, "checksums": time.monotonic() - t_dump},
-                },
-            )
-            manifest_io.write(stage, man, self.key)
-            c = caller.container
-            entry = self.cache.add_own(stage, f"dump of {c.namespace}/{c.pod}", self.key)
         except BaseException:
             shutil.rmtree(stage, ignore_errors=True)
             raise
         finally:
             shutil.rmtree(work, ignore_errors=True)
-        return {"checkpoint": entry.entry, "bytes": entry.bytes, "seconds": time.monotonic() - t0}
+        seconds = time.monotonic() - t0
+        with self._lock:
+            old = self.pending.pop(caller.container.pod_uid, None)
+            self.pending[caller.container.pod_uid] = _Pending(stage, pid, seconds)
+        if old is not None:
+            shutil.rmtree(old.stage, ignore_errors=True)
+        return {"seconds": seconds}
+
+    def commit(self, caller: Caller, req: Request) -> dict[str, Any]:
+        """Finish the caller's dump as checkpoint args.name: the files below args.dir (in
+        the pod) and the caller's args.manifest join the images, signed by this node."""
+        name = _name_arg(req)
+        body = _dict_arg(req, "manifest")
+        with self._lock:
+            pending = self.pending.pop(caller.container.pod_uid, None)
+        if pending is None:
+            raise OperationError("no_dump", "no dump of this pod waits for a commit: dump first")
+        t0 = time.monotonic()
+        try:
+            files: list[FileEntry] = []
+            src = req.args.get("dir")
+            if src is not None:
+                files = self._take(caller, str(src), pending.stage)
+            images = manifest_io.list_files(pending.stage)
+            files = manifest_io.checksum_files(pending.stage, images, threads=4) + files
+            man = cast(
+                Manifest,
+                {
+                    **{k: v for k, v in body.items() if k not in _NODE_KEYS},
+                    "format": MANIFEST_FORMAT,
+                    "files": sorted(files, key=lambda f: f["path"]),
+                    "identity": {**_identity(caller, self.settings.node), "name": name},
+                },
+            )
+            man.setdefault("fingerprint", {})
+            man["criu"] = {**dict(man.get("criu") or {}), "dump_flags": list(DUMP_FLAGS)}
+            man.setdefault("vllm", {"root_pid": pending.pid})
+            man["vllm"]["root_pid"] = pending.pid
+            timings = dict(man.get("timings") or {})
+            timings.update(criu_dump=pending.seconds, commit=time.monotonic() - t0)
+            man["timings"] = timings
+            manifest_io.write(pending.stage, man, self.key)
+            os.chmod(pending.stage / MANIFEST_NAME, 0o444)
+            c = caller.container
+            entry = self.cache.add_own(pending.stage, f"{c.namespace}/{c.pod}: {name}", self.key)
+        except BaseException:
+            shutil.rmtree(pending.stage, ignore_errors=True)
+            raise
+        self.cache.name(caller.container.namespace, name, entry.entry)
+        return {"checkpoint": entry.entry, "bytes": entry.bytes, "files": len(man["files"])}
+
+    def _take(self, caller: Caller, src: str, stage: Path) -> list[FileEntry]:
+        """Copy the caller's directory src (a path in its pod) into stage, hashing."""
+        if not src.startswith("/"):
+            raise ValueError("dir: an absolute path in the pod")
+        pod_init = identity.namespace_init(caller.pid)
+        root = os.open(f"/proc/{pod_init}/root", os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            src_fd = verified_copy.open_dir_below(root, src, "pod:")
+        finally:
+            os.close(root)
+        try:
+            taken = verified_copy.take_tree(src_fd, stage, f"pod:{src}")
+        finally:
+            os.close(src_fd)
+        clash = [f["path"] for f in taken if f["path"].startswith(IMAGES_SUBDIR + "/")]
+        if clash:
+            raise ValueError(f"dir holds {clash[0]}: images/ is the node agent's")
+        return taken
+
+    def _entry(self, caller: Caller, req: Request) -> VerifiedCheckpoint:
+        """The caller's namespace's checkpoint args.name, verified in this node's cache."""
+        name = _name_arg(req)
+        ns = caller.container.namespace
+        entry = self.cache.resolve(ns, name)
+        found = self.cache.lookup(entry, self.key) if entry else None
+        if found is None:
+            raise OperationError(
+                "no_checkpoint", f"checkpoint {name} of namespace {ns} is not in this node's cache"
+            )
+        made_in = str(found.manifest.get("identity", {}).get("namespace", ""))
+        if made_in != ns:  # the name index is per namespace; the signed identity agrees
+            raise Refused(f"checkpoint {name} was made in namespace {made_in!r}, not {ns!r}")
+        return found
+
+    def open(self, caller: Caller, req: Request) -> dict[str, Any]:
+        """A read-only descriptor of the checkpoint's verified directory."""
+        entry = self._entry(caller, req)
+        fd = os.open(entry.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        return {"checkpoint": entry.entry, FD_KEY: fd}
+
+    def mark_verified(self, caller: Caller, req: Request) -> dict[str, Any]:
+        entry = self._entry(caller, req)
+        self.cache.mark_verified(entry.entry, _dict_arg(req, "details"), self.key)
+        return {"checkpoint": entry.entry}
 
     def restore(self, caller: Caller, req: Request) -> dict[str, Any]:
-        """Restore cache entry args.checkpoint into the caller's pod; its root pid there."""
-        name = req.args.get("checkpoint")
-        if not isinstance(name, str):
-            raise ValueError("checkpoint: the name a dump answered with")
-        entry = self.cache.lookup(name, self.key)
-        if entry is None:
-            raise OperationError("no_checkpoint", f"checkpoint {name} is not in this node's cache")
-        made_in = str(entry.manifest.get("identity", {}).get("namespace", ""))
-        if made_in != caller.container.namespace:
-            raise Refused(
-                f"checkpoint {name} was made in namespace {made_in!r}; it is restored only "
-                f"into pods of that namespace, not {caller.container.namespace!r}"
-            )
+        """CRIU-restore checkpoint args.name into the caller's pod; its root pid there."""
+        entry = self._entry(caller, req)
+        flags = list(RESTORE_FLAGS)
+        if _bool_arg(req, "mmap"):
+            flags.append("--mmap-restore")
+            if _bool_arg(req, "mmap_heap"):
+                flags.append("--mmap-restore-heap")
+        if _bool_arg(req, "stopped"):
+            flags.append("--leave-stopped")
         pod_init = identity.namespace_init(caller.pid)
         t0 = time.monotonic()
         self.cache.pin(entry.entry, caller.container.pod_uid)
@@ -147,16 +248,58 @@ class Operations:
                 pod_init,
                 entry.path / IMAGES_SUBDIR,
                 work,
-                list(RESTORE_FLAGS),
+                flags,
                 timeout=self.settings.timeout,
                 cgroup_root=self.settings.cgroup_root,
             )
             if res.returncode != 0:
-                self.cache.unpin(entry.entry, caller.container.pod_uid)
                 raise OperationError("criu_failed", _criu_failure("restore", res, work))
         finally:
             shutil.rmtree(work, ignore_errors=True)
-        return {"pid": entry.manifest["vllm"]["root_pid"], "seconds": time.monotonic() - t0}
+        return {
+            "checkpoint": entry.entry,
+            "pid": entry.manifest["vllm"]["root_pid"],
+            "seconds": time.monotonic() - t0,
+        }
+
+    def reserve_pids(self, caller: Caller, req: Request) -> dict[str, Any]:
+        """Move the pod's next pid to args.floor (writing ns_last_pid needs a capability
+        the pod does not have): vLLM, started next, gets pids its helpers never take, so
+        a restore in a new pod finds them free."""
+        floor = req.args.get("floor")
+        if not isinstance(floor, int) or isinstance(floor, bool) or not 1 < floor < 1 << 22:
+            raise ValueError("floor: an integer between 2 and 4194303")
+        pod_init = identity.namespace_init(caller.pid)
+        script = (
+            "import sys\n"
+            "p = '/proc/sys/kernel/ns_last_pid'\n"
+            "if int(open(p).read()) < int(sys.argv[1]):\n"
+            "    open(p, 'w').write(sys.argv[1])\n"
+        )
+        # nsenter -p: the child runs in the pod's pid namespace (the sysctl is per
+        # namespace: its writer's); no -m, so it is this node agent's own Python.
+        res = subprocess.run(
+            [
+                "nsenter",
+                "-t",
+                str(pod_init),
+                "-p",
+                "--",
+                sys.executable,
+                "-I",
+                "-S",
+                "-c",
+                script,
+                str(floor),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+        if res.returncode != 0:
+            raise OperationError("reserve_failed", res.stderr.strip()[-500:])
+        return {"floor": floor}
 
     def status(self, caller: Caller, req: Request) -> dict[str, Any]:
         """The node cache's entries of the caller's namespace."""
@@ -192,6 +335,24 @@ class Operations:
                 {"resource": d.resource, "ids": list(d.ids)} for x in mine for d in x.devices
             ],
         }
+
+
+# What a caller's manifest may not set: the node agent's own record of the checkpoint.
+_NODE_KEYS = frozenset({"files", "identity", "signature", "verified", "format"})
+
+
+def _name_arg(req: Request) -> str:
+    name = req.args.get("name")
+    if not isinstance(name, str) or not name or len(name) > 512 or "\0" in name:
+        raise ValueError("name: the checkpoint's name (a non-empty string, at most 512 bytes)")
+    return name
+
+
+def _bool_arg(req: Request, name: str) -> bool:
+    value = req.args.get(name, False)
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: true or false")
+    return value
 
 
 def _identity(caller: Caller, node: str) -> dict[str, str]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
 import socketserver
 import threading
@@ -20,11 +21,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rekindle_contract import node_api
+
 from rekindle_node import identity
 from rekindle_node.identity import IdentityError, PodContainer
 
-MAX_REQUEST_BYTES = 64 << 10
-OPS = ("dump", "restore", "status", "devices")
+MAX_REQUEST_BYTES = node_api.MAX_REQUEST_BYTES
+OPS = node_api.OPS
+# A handler's answer may carry one descriptor under this key: sent with SCM_RIGHTS
+# (and closed here), never in the JSON.
+FD_KEY = "_fd"
 
 
 class Refused(PermissionError):
@@ -91,8 +97,16 @@ class _Handler(socketserver.StreamRequestHandler):
 
     def handle(self) -> None:
         answer = self.server.answer(self.connection)
-        self.wfile.write(json.dumps(answer).encode() + b"\n")
-        self.wfile.flush()
+        fd = answer.pop(FD_KEY, None)
+        payload = json.dumps(answer).encode() + b"\n"
+        if fd is None:
+            self.wfile.write(payload)
+            self.wfile.flush()
+        else:
+            try:
+                socket.send_fds(self.connection, [payload], [fd])
+            finally:
+                os.close(fd)
         # Unread input at close would reset the connection before the caller reads
         # the answer (a refused caller's request is never read): discard it first.
         self.connection.shutdown(socket.SHUT_WR)
@@ -161,15 +175,11 @@ def serve_in_thread(server: RequestServer) -> threading.Thread:
 
 
 def call(path: Path, op: str, pod_uid: str, args: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The caller's side: one request, one answer."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(30)
-        s.connect(str(path))
-        s.sendall(json.dumps({"op": op, "pod_uid": pod_uid, "args": args or {}}).encode() + b"\n")
-        data = bytearray()
-        while chunk := s.recv(65536):
-            data += chunk
-    result = json.loads(bytes(data))
-    if not isinstance(result, dict):
-        raise ValueError("the node agent's answer is not a JSON object")
-    return result
+    """The caller's side, for tests and tools: the answer, refusals included (no raise)."""
+    try:
+        answer, fd = node_api.call(str(path), op, pod_uid, args, timeout=30)
+    except node_api.NodeAgentError as e:
+        return {"ok": False, "error": e.reason, "message": e.message}
+    if fd is not None:
+        os.close(fd)
+    return answer

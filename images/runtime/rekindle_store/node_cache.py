@@ -30,9 +30,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from rekindle_contract.manifest import MANIFEST_NAME, Manifest
+from rekindle_contract.manifest import MANIFEST_NAME, VERIFIED_NAME, Manifest
 
-from rekindle_store import page_cache, signing, verified_copy
+from rekindle_store import manifest_io, page_cache, signing, verified_copy
 from rekindle_store.verified_copy import CopyError
 
 ENTRY_RECORD = ".entry.json"
@@ -88,8 +88,9 @@ class NodeCache:
         self.entries = root / "entries"
         self.pins = root / "pins"
         self.staging = root / "staging"
+        self.aliases = root / "names"
         self._lock = threading.Lock()  # one copy or eviction at a time
-        for d in (root, self.entries, self.pins):
+        for d in (root, self.entries, self.pins, self.aliases):
             d.mkdir(mode=0o700, parents=True, exist_ok=True)
             os.chmod(d, 0o700)
         shutil.rmtree(self.staging, ignore_errors=True)
@@ -194,6 +195,34 @@ class NodeCache:
             return None
         with self._lock:
             return self._cached(name, key, run_dir)
+
+    def name(self, namespace: str, name: str, entry: str) -> None:
+        """Call entry name within namespace (a pod asks for its checkpoints by the name
+        its operator gave them; a name in one namespace never reaches another's entry)."""
+        d = self.aliases / namespace
+        d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        tmp = d / (_name_key(name) + ".tmp")
+        tmp.write_text(json.dumps({"name": name, "entry": entry}))
+        os.replace(tmp, d / _name_key(name))
+
+    def resolve(self, namespace: str, name: str) -> str | None:
+        """The entry namespace calls name (None: no such name, or its entry is gone)."""
+        try:
+            doc = json.loads((self.aliases / namespace / _name_key(name)).read_text())
+        except (OSError, ValueError):
+            return None
+        entry = str(doc.get("entry", ""))
+        return entry if doc.get("name") == name and (self.entries / entry).is_dir() else None
+
+    def mark_verified(self, entry: str, details: dict[str, Any], key: bytes) -> None:
+        """Record in the entry's (re-signed) manifest that a restore from it served."""
+        path = self.entries / entry
+        with self._lock:
+            manifest = _parse_own(path, key, None)
+            manifest_io.mark_verified(path, manifest, details, key)
+            # Readable by the pods the entry's descriptor is handed to (manifest_io writes 0600).
+            os.chmod(path / MANIFEST_NAME, 0o444)
+            os.chmod(path / VERIFIED_NAME, 0o444)
 
     def unpin_holder(self, holder: str) -> None:
         """holder is gone (its pod ended): it maps nothing any more."""
@@ -307,6 +336,10 @@ class NodeCache:
 
     def report_json(self) -> list[dict[str, Any]]:
         return [asdict(r) for r in self.report()]
+
+
+def _name_key(name: str) -> str:
+    return hashlib.sha256(name.encode()).hexdigest()[:32]
 
 
 def _parse_own(path: Path, key: bytes | None, run_dir: str | None) -> Manifest:

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from rekindle_contract.manifest import MANIFEST_NAME, FileEntry, Manifest
 
@@ -202,3 +203,72 @@ def copy_verified(
         bytes=sum(sizes),
         seconds=time.monotonic() - t0,
     )
+
+
+def open_dir_below(root_fd: int, path: str, where: str) -> int:
+    """A descriptor of directory path (absolute or relative) below root_fd, every component
+    opened without following links: a pod's path read from outside the pod."""
+    cur = os.dup(root_fd)
+    try:
+        for part in [p for p in path.split("/") if p]:
+            if part in (".", ".."):
+                raise CopyError("bad_request", f"{where}{path}: '.' and '..' are not allowed")
+            nxt = os.open(part, _OPEN_DIR, dir_fd=cur)
+            os.close(cur)
+            cur = nxt
+    except OSError as e:
+        os.close(cur)
+        raise CopyError(
+            "bad_request", f"{where}{path}: {e.strerror or e} (links are not followed)"
+        ) from e
+    return cur
+
+
+def take_tree(src_dir: int, dst: Path, where: str) -> list[FileEntry]:
+    """Copy every regular file below src_dir into dst (created), digests recorded as read.
+
+    For files a pod wrote for its own checkpoint (the weight dump, /dev/shm copies):
+    the copy is what the manifest describes, whatever the pod does afterwards.
+    Links, devices and FIFOs are refused.
+    """
+    out: list[FileEntry] = []
+
+    def walk(fd: int, rel: str) -> None:
+        for name in sorted(os.listdir(fd)):
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            child = f"{rel}/{name}" if rel else name
+            if stat.S_ISDIR(st.st_mode):
+                sub = os.open(name, _OPEN_DIR, dir_fd=fd)
+                try:
+                    (dst / child).mkdir(mode=0o700, parents=True, exist_ok=True)
+                    walk(sub, child)
+                finally:
+                    os.close(sub)
+            elif stat.S_ISREG(st.st_mode):
+                out.append(_take_file(fd, name, child, dst, where))
+            else:
+                raise CopyError("bad_request", f"{where}/{child}: not a regular file or directory")
+
+    dst.mkdir(mode=0o700, parents=True, exist_ok=True)
+    walk(src_dir, "")
+    return out
+
+
+def _take_file(dir_fd: int, name: str, rel: str, dst: Path, where: str) -> FileEntry:
+    src = os.open(name, _OPEN_FILE, dir_fd=dir_fd)
+    try:
+        if not stat.S_ISREG(os.fstat(src).st_mode):
+            raise CopyError("bad_request", f"{where}/{rel}: not a regular file")
+        os.set_blocking(src, True)
+        hashers = digests.RecordHashers()
+        out = os.open(
+            dst / rel, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+        )
+        try:
+            size = _copy_hashed(src, out, hashers.update)
+        finally:
+            os.close(out)
+    finally:
+        os.close(src)
+    entry: dict[str, object] = {"path": rel, "size": size, **hashers.hexdigests()}
+    return cast(FileEntry, entry)

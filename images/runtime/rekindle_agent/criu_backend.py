@@ -1,0 +1,266 @@
+"""Who runs CRIU for this pod, and where its checkpoints live: one class per way.
+
+InPod     the agent runs CRIU itself (a privileged pod); a checkpoint is a directory
+          on the pod's checkpoint volume, written, signed and read by the agent.
+NodeAgent the node agent runs CRIU (the pod is unprivileged); a checkpoint lives in
+          the node agent's verified cache, named by the path the operator gave it.
+          The agent saves what only it can (the weight dump, /dev/shm files) into a
+          scratch directory, the node agent takes those in with the images and
+          signs them; a restore reads the verified copy through a descriptor the
+          node agent hands over, and the node agent restores the tree into this pod.
+
+The flows (checkpoint.py, restore.py) call these methods at the steps that
+differ and nothing else changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rekindle_contract import node_api
+from rekindle_contract.manifest import Manifest
+from rekindle_store import manifest_io
+
+from rekindle_agent import criu
+from rekindle_agent.reaper import Reaper
+
+log = logging.getLogger("rekindle.criu_backend")
+
+
+class BackendError(RuntimeError):
+    """CRIU (or the node agent) failed; message says why, reason in a word."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class RestoreOptions:
+    mmap: bool
+    mmap_heap: bool
+    stopped: bool
+    plugins: str | None
+    timeout: float
+
+
+class CriuBackend:
+    """The steps of a checkpoint and a restore that depend on who runs CRIU."""
+
+    #: checkpoints are signed with the service's key by the agent (False: by the node)
+    agent_signs = True
+    #: the agent can protect checkpoint files (read-only, immutable) and mounts
+    privileged = True
+
+    def dump(
+        self,
+        reaper: Reaper,
+        root: int,
+        images: Path,
+        log_file: str,
+        plugins: str | None,
+        timeout: float,
+        env_argv: Any = None,
+    ) -> None:
+        raise NotImplementedError
+
+    def finish(self, ckpt: Path, man: Manifest, key: bytes | None) -> None:
+        raise NotImplementedError
+
+    def readable(self, ckpt: Path) -> Path:
+        raise NotImplementedError
+
+    def restore(
+        self,
+        reaper: Reaper,
+        ckpt: Path,
+        readable: Path,
+        run_dir: str,
+        opts: RestoreOptions,
+        env_argv: Any = None,
+    ) -> int:
+        raise NotImplementedError
+
+    def mark_verified(
+        self, ckpt: Path, readable: Path, man: Manifest, details: dict[str, Any], key: bytes | None
+    ) -> None:
+        raise NotImplementedError
+
+    def reserve_pids(self, floor: int) -> None:
+        raise NotImplementedError
+
+
+class InPod(CriuBackend):
+    def __init__(self, binary: str) -> None:
+        self.binary = binary
+
+    def dump(
+        self,
+        reaper: Reaper,
+        root: int,
+        images: Path,
+        log_file: str,
+        plugins: str | None,
+        timeout: float,
+        env_argv: Any = None,
+    ) -> None:
+        argv = criu.dump_argv(self.binary, root, str(images), log_file, plugins=plugins)
+        if env_argv is not None:
+            argv = env_argv(argv)
+        res = reaper.run(argv, timeout=timeout)  # TimeoutError and OSError: the caller's
+        if res.returncode != 0:
+            tail = ""
+            with contextlib.suppress(OSError):
+                tail = criu.log_tail(Path(log_file).read_text(errors="replace"))
+            raise BackendError("criu_failed", f"criu dump exited {res.returncode}:\n{tail}")
+
+    def finish(self, ckpt: Path, man: Manifest, key: bytes | None) -> None:
+        manifest_io.write(ckpt, man, key)
+
+    def readable(self, ckpt: Path) -> Path:
+        return ckpt
+
+    def restore(
+        self,
+        reaper: Reaper,
+        ckpt: Path,
+        readable: Path,
+        run_dir: str,
+        opts: RestoreOptions,
+        env_argv: Any = None,
+    ) -> int:
+        pidfile = os.path.join(run_dir, "restore.pid")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(pidfile)
+        # Never into the checkpoint: it is shared by every pod restoring from it.
+        criu_log = os.path.join(run_dir, "restore.log")
+        argv = criu.restore_argv(
+            self.binary,
+            str(readable / "images"),
+            criu_log,
+            pidfile,
+            mmap=opts.mmap,
+            mmap_heap=opts.mmap_heap,
+            plugins=opts.plugins,
+            stopped=opts.stopped,
+        )
+        if env_argv is not None:
+            argv = env_argv(argv)
+        try:
+            res = reaper.run(argv, timeout=opts.timeout)
+        except TimeoutError as e:
+            raise BackendError(
+                "criu_restore_failed", f"criu restore took longer than {opts.timeout:g}s"
+            ) from e
+        if res.returncode != 0:
+            tail = ""
+            with contextlib.suppress(OSError):
+                tail = criu.log_tail(Path(criu_log).read_text(errors="replace"))
+            raise BackendError(
+                "criu_restore_failed",
+                f"criu restore exited {res.returncode}: {res.output[-500:]}{tail}",
+            )
+        return int(Path(pidfile).read_text().strip())
+
+    def mark_verified(
+        self, ckpt: Path, readable: Path, man: Manifest, details: dict[str, Any], key: bytes | None
+    ) -> None:
+        manifest_io.mark_verified(ckpt, man, details, key)
+
+    def reserve_pids(self, floor: int) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            if int(Path(NS_LAST_PID).read_text()) < floor:
+                Path(NS_LAST_PID).write_text(str(floor))
+
+
+NS_LAST_PID = "/proc/sys/kernel/ns_last_pid"
+
+
+class NodeAgent(CriuBackend):
+    agent_signs = False
+    privileged = False
+
+    def __init__(self, socket: str, pod_uid: str) -> None:
+        self.socket = socket
+        self.pod_uid = pod_uid
+        self._open: dict[str, int] = {}  # checkpoint name -> directory descriptor
+
+    def _call(self, op: str, args: dict[str, Any], timeout: float = 600.0) -> dict[str, Any]:
+        try:
+            answer, fd = node_api.call(self.socket, op, self.pod_uid, args, timeout=timeout)
+        except node_api.NodeAgentError as e:
+            raise BackendError(e.reason, f"node agent {op}: {e.message}") from e
+        if fd is not None:
+            answer["_fd"] = fd
+        return answer
+
+    def dump(
+        self,
+        reaper: Reaper,
+        root: int,
+        images: Path,
+        log_file: str,
+        plugins: str | None,
+        timeout: float,
+        env_argv: Any = None,
+    ) -> None:
+        self._call("dump", {"pid": root}, timeout=timeout)
+
+    def finish(self, ckpt: Path, man: Manifest, key: bytes | None) -> None:
+        """The node agent takes the scratch directory's files and the manifest in."""
+        body = {k: v for k, v in man.items() if k not in ("files", "signature")}
+        answer = self._call("commit", {"name": str(ckpt), "dir": str(ckpt), "manifest": body})
+        log.info(
+            "node agent holds %s as %s (%s files)",
+            ckpt,
+            answer.get("checkpoint"),
+            answer.get("files"),
+        )
+        # The scratch copy is the node agent's now: free the pod's volume.
+        shutil.rmtree(ckpt, ignore_errors=True)
+
+    def readable(self, ckpt: Path) -> Path:
+        """The verified copy, through a descriptor: /proc/<this pid>/fd/N, which vLLM's
+        workers (same user) can open too, for the weight reload."""
+        old = self._open.pop(str(ckpt), None)
+        if old is not None:
+            os.close(old)
+        answer = self._call("open", {"name": str(ckpt)}, timeout=60)
+        fd = int(answer["_fd"])
+        self._open[str(ckpt)] = fd
+        return Path(f"/proc/{os.getpid()}/fd/{fd}")
+
+    def restore(
+        self,
+        reaper: Reaper,
+        ckpt: Path,
+        readable: Path,
+        run_dir: str,
+        opts: RestoreOptions,
+        env_argv: Any = None,
+    ) -> int:
+        args = {
+            "name": str(ckpt),
+            "mmap": opts.mmap,
+            "mmap_heap": opts.mmap_heap,
+            "stopped": opts.stopped,
+        }
+        answer = self._call("restore", args, timeout=opts.timeout)
+        return int(answer["pid"])
+
+    def mark_verified(
+        self, ckpt: Path, readable: Path, man: Manifest, details: dict[str, Any], key: bytes | None
+    ) -> None:
+        self._call("mark_verified", {"name": str(ckpt), "details": details}, timeout=60)
+
+    def reserve_pids(self, floor: int) -> None:
+        try:
+            self._call("reserve_pids", {"floor": floor}, timeout=30)
+        except BackendError as e:
+            log.warning("could not reserve low pids for the agent: %s", e)

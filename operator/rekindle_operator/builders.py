@@ -21,6 +21,12 @@ from rekindle_contract.pod import (
     CHECKPOINT_MOUNT,
     IMAGE_ENV,
     LOOPBACK_ENV,
+    NODE_SOCKET,
+    NODE_SOCKET_DIR,
+    NODE_SOCKET_ENV,
+    NODE_SOCKET_VOLUME,
+    POD_UID_ENV,
+    RUN_DIR,
     SIGNING_KEY_ENV,
     SIGNING_KEY_FILE,
     SIGNING_KEY_KEY,
@@ -255,6 +261,10 @@ def storage_subpath(namespace: str, isvc: str) -> str:
 
 
 def checkpoint_volume(spec: IsvcSpec) -> Obj:
+    if spec.storage.type == "node":
+        # Scratch for the agent's part of a checkpoint (weight dump, /dev/shm copies):
+        # the node agent takes it into its cache, and restores read from there.
+        return {"name": "checkpoints", "emptyDir": {}}
     if spec.storage.type == "hostPath":
         return {
             "name": "checkpoints",
@@ -349,14 +359,7 @@ def _operator_pod_template(spec: IsvcSpec, shm_bytes: int, fingerprint: str) -> 
             PATH_HEALTHZ, spec, initialDelaySeconds=10, periodSeconds=10, failureThreshold=6
         ),
         "resources": _resources(spec, shm_bytes),
-        # CRIU dumps and restores a process tree: it needs ptrace, namespaces,
-        # TCP repair and /proc/sys writes that only a privileged container has,
-        # and no seccomp/AppArmor confinement (the agent confines vLLM itself).
-        "securityContext": {
-            "privileged": True,
-            "seccompProfile": {"type": "Unconfined"},
-            "appArmorProfile": {"type": "Unconfined"},
-        },
+        "securityContext": _container_security(spec),
         "volumeMounts": [
             {"name": "dshm", "mountPath": "/dev/shm"},
             # The agent's token and signing key, read-only, readable by root only.
@@ -389,7 +392,7 @@ def _operator_pod_template(spec: IsvcSpec, shm_bytes: int, fingerprint: str) -> 
         # Each pod says which name its agent's certificate carries: the operator
         # reads it from the pod, so it reaches old and new pods alike mid-rollout.
         annotations[admin_tls.ANN_SERVER_NAME] = spec.admin_tls.server_name
-    return {
+    template: Obj = {
         "metadata": {
             "labels": {
                 **selector_labels(spec.name),
@@ -437,6 +440,62 @@ def _operator_pod_template(spec: IsvcSpec, shm_bytes: int, fingerprint: str) -> 
             ],
         },
     }
+    if node_mode(spec):
+        _node_mode_pod(spec, template["spec"], container)
+    return template
+
+
+# The user vLLM and the agent run as when the node agent runs CRIU (nobody).
+NODE_MODE_UID = 65534
+
+
+def node_mode(spec: IsvcSpec) -> bool:
+    """The node agent runs CRIU and keeps the checkpoints: the pod needs no privilege."""
+    return spec.storage.type == "node"
+
+
+def _container_security(spec: IsvcSpec) -> Obj:
+    if node_mode(spec):
+        # Pod Security "restricted" for the container: no privilege at all.
+        return {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "runAsNonRoot": True,
+            "runAsUser": NODE_MODE_UID,
+            "runAsGroup": NODE_MODE_UID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        }
+    # CRIU dumps and restores a process tree: it needs ptrace, namespaces,
+    # TCP repair and /proc/sys writes that only a privileged container has,
+    # and no seccomp/AppArmor confinement (the agent confines vLLM itself).
+    return {
+        "privileged": True,
+        "seccompProfile": {"type": "Unconfined"},
+        "appArmorProfile": {"type": "Unconfined"},
+    }
+
+
+def _node_mode_pod(spec: IsvcSpec, pod: Obj, container: Obj) -> None:
+    """Wire a node-mode pod to its node agent: the socket's emptyDir, the pod's UID, a
+    home vLLM can write, the Secrets readable by the pod's group."""
+    container["env"] += [
+        {"name": NODE_SOCKET_ENV, "value": NODE_SOCKET},
+        {"name": POD_UID_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}},
+        # vLLM, torch and Triton write caches under $HOME: the image's is root's.
+        {"name": "HOME", "value": f"{RUN_DIR}/home"},
+    ]
+    container["volumeMounts"].append({"name": NODE_SOCKET_VOLUME, "mountPath": NODE_SOCKET_DIR})
+    pod["volumes"].append({"name": NODE_SOCKET_VOLUME, "emptyDir": {}})
+    pod["securityContext"] = {
+        "runAsNonRoot": True,
+        "runAsUser": NODE_MODE_UID,
+        "runAsGroup": NODE_MODE_UID,
+        "fsGroup": NODE_MODE_UID,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    for v in pod["volumes"]:
+        if v["name"] == "agent-token":
+            v["projected"]["defaultMode"] = 0o440  # root:fsGroup, read by the pod's user
 
 
 def _fetch_model(spec: IsvcSpec) -> Obj:

@@ -31,9 +31,10 @@ def restore_node(
     """The node holding the checkpoint new pods restore from, when that ties them to it.
 
     "" for PVC storage (any node that mounts the claim sees the data) and when
-    no checkpoint is in use.
+    no checkpoint is in use. A node-agent checkpoint is in one node's cache, like a
+    hostPath one.
     """
-    if spec.storage.type != "hostPath" or not in_use:
+    if spec.storage.type not in ("hostPath", "node") or not in_use:
         return ""
     for ck in checkpoints:
         if (ck.get("metadata") or {}).get("name") == in_use:

@@ -262,6 +262,8 @@ def has_data(body: Body) -> bool:
     spec, status = body.get("spec") or {}, body.get("status") or {}
     if status.get("phase") == CKPT_RUNNING:
         return True
+    if "emptyDir" in (status.get("volume") or {}):
+        return False  # in a node agent's cache: evicted there by its budget, nothing to remove
     return bool(
         status.get("path")
         and status.get("volume")

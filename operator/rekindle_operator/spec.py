@@ -344,9 +344,9 @@ def validate(s: IsvcSpec) -> None:
         )
     _validate_kv_cache(s)
     _validate_keep_resident(s)
-    if s.storage.type not in ("pvc", "hostPath"):
+    if s.storage.type not in ("pvc", "hostPath", "node"):
         raise SpecError(
-            f"spec.coldStart.storage.type is {s.storage.type!r}: use 'pvc' or 'hostPath'"
+            f"spec.coldStart.storage.type is {s.storage.type!r}: use 'pvc', 'hostPath' or 'node'"
         )
     if s.storage.access_mode not in ("ReadWriteOnce", "ReadWriteMany"):
         raise SpecError(

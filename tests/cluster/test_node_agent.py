@@ -13,10 +13,14 @@ and must be refused.
 from __future__ import annotations
 
 import json
+import shutil
+import signal
+import socket
 import textwrap
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,7 +32,20 @@ from tests.cluster.cluster_tools import (
     kubectl_json,
     wait_until,
 )
-from tests.cluster.operator_fixtures import RUNTIME_IMAGE, require_runtime_image
+from tests.cluster.operator_fixtures import (
+    RUNTIME_IMAGE,
+    OperatorProcess,
+    apply,
+    http_json,
+    install_crds,
+    isvc_manifest,
+    pods_of,
+    release,
+    require_runtime_image,
+    service_url,
+    wait_status,
+    wind_down,
+)
 
 pytestmark = pytest.mark.cluster
 
@@ -153,8 +170,6 @@ def node_agent(cluster: dict[str, str], tmp_path_factory: pytest.TempPathFactory
         )
         kubectl("delete", "namespace", ns, "--wait=true", "--timeout=120s", check=False)
         # The node's state (root-only cache and key) was a hostPath: remove it.
-        import shutil
-
         shutil.rmtree(state, ignore_errors=True)
 
 
@@ -260,3 +275,132 @@ def test_state_dir_is_root_only(node_agent: str) -> None:
     wait_until("the node agent's state", lambda: (Path(state) / "cache").is_dir(), 60)
     assert Path(state).stat().st_mode & 0o777 == 0o700
     assert (Path(state) / "node-signing-key").stat().st_mode & 0o777 == 0o400
+
+
+# -- An InferenceService with spec.coldStart.storage.type node ------------------------
+
+NAME = "tiny"
+PROMPTS = ("Hello, my name is", "1, 2, 3, 4,")
+# Run in the serving container: every process's uid, effective capabilities and command.
+PROCESSES = r"""
+import json, os
+out = []
+for p in os.listdir("/proc"):
+    if not p.isdigit():
+        continue
+    try:
+        status = dict(ln.split(":", 1) for ln in open(f"/proc/{p}/status").read().splitlines())
+        cmd = open(f"/proc/{p}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+    except OSError:
+        continue
+    out.append({"uid": status["Uid"].split()[0], "cap": status["CapEff"].strip(), "cmd": cmd[:80]})
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def tenant(node_agent: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A namespace that enforces Pod Security baseline, with an operator watching it."""
+    install_crds()
+    ns = _namespace("baseline")
+    op = OperatorProcess(ns, tmp_path_factory.mktemp("operator") / "operator.log")
+    op.start()
+    try:
+        yield ns
+    finally:
+        wind_down(ns)
+        op.kill(signal.SIGTERM)
+        print(f"operator log tail:\n{op.tail()}")
+        release(ns)
+        kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+def _ready(ns: str, origin: str) -> dict[str, Any]:
+    def ok(o: dict[str, Any]) -> bool:
+        st = o.get("status") or {}
+        pods = st.get("pods") or []
+        return (
+            st.get("phase") == "Ready"
+            and len(pods) == 1
+            and pods[0].get("ready") is True
+            and pods[0].get("origin") == origin
+        )
+
+    return wait_status("rkis", NAME, ns, f"1 replica Ready, {origin}", ok, 600)
+
+
+def _completions(url: str) -> list[str]:
+    out = []
+    for p in PROMPTS:
+        r = http_json(
+            f"{url}/v1/completions",
+            {"model": NAME, "prompt": p, "max_tokens": 8, "temperature": 0.0},
+        )
+        out.append(r["choices"][0]["text"])
+    return out
+
+
+def _processes(ns: str, pod: str) -> list[dict[str, str]]:
+    """Uid, CapEff and the command of every process in the pod's container."""
+    r = kubectl("exec", "-n", ns, pod, "--", PYTHON, "-c", PROCESSES)
+    return list(json.loads(r.stdout))
+
+
+def test_a_node_mode_service_boots_checkpoints_and_restores_unprivileged(tenant: str) -> None:
+    ns = tenant
+    require_runtime_image()
+    doc = isvc_manifest(NAME, "/unused", example="tiny-cpu.yaml")
+    doc["spec"]["coldStart"]["storage"] = {"type": "node"}
+    r = apply(doc, ns)
+    assert r.returncode == 0, r.stderr
+    _ready(ns, "booted")
+    url = service_url(NAME, ns)
+    wait_until("the Service to accept connections", lambda: _accepts(url), 60)
+    before = _completions(url)
+
+    (pod,) = pods_of(NAME, ns)
+    security = pod["spec"]["containers"][0]["securityContext"]
+    assert security["capabilities"] == {"drop": ["ALL"]} and "privileged" not in security
+    assert not any("hostPath" in v for v in pod["spec"]["volumes"])
+    procs = _processes(ns, pod["metadata"]["name"])
+    assert any("vllm" in p["cmd"] for p in procs), procs
+    assert {(p["uid"], p["cap"]) for p in procs} == {("65534", "0000000000000000")}, procs
+
+    ck = {
+        "apiVersion": "rekindle.dev/v1alpha1",
+        "kind": "Checkpoint",
+        "metadata": {"name": "first"},
+        "spec": {"inferenceService": NAME},
+    }
+    assert apply(ck, ns).returncode == 0
+    done = wait_status(
+        "rkcp",
+        "first",
+        ns,
+        "Ready or Failed",
+        lambda o: (o.get("status") or {}).get("phase") in ("Ready", "Failed"),
+        600,
+    )
+    assert done["status"]["phase"] == "Ready", done["status"]
+    assert done["status"]["verified"] is True
+
+    kubectl("scale", f"rkis/{NAME}", "-n", ns, "--replicas=0")
+    wait_until("no pods left", lambda: not pods_of(NAME, ns), 180)
+    kubectl("scale", f"rkis/{NAME}", "-n", ns, "--replicas=1")
+    obj = _ready(ns, "restored")
+    assert obj["status"]["pods"][0]["origin"] == "restored"
+    wait_until("the Service to accept connections", lambda: _accepts(url), 60)
+    assert _completions(url) == before
+    (pod,) = pods_of(NAME, ns)
+    procs = _processes(ns, pod["metadata"]["name"])
+    assert any("vllm" in p["cmd"] for p in procs), procs
+    assert {(p["uid"], p["cap"]) for p in procs} == {("65534", "0000000000000000")}, procs
+
+
+def _accepts(url: str) -> bool:
+    host, port = url.removeprefix("http://").split(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=2).close()
+        return True
+    except OSError:
+        return False

@@ -42,7 +42,7 @@ def test_restart_annotation_is_carried() -> None:
         ({"vllmArgs": ["--port=9000"]}, "--port"),
         ({"vllmArgs": ["--mm-processor-cache-gb", "8"]}, "spec.multimodal"),
         ({"multimodal": {"cacheSize": "64Mi", "maxObjectMiB": 128}}, "maxObjectMiB"),
-        ({"coldStart": {"storage": {"type": "nfs"}}}, "'pvc' or 'hostPath'"),
+        ({"coldStart": {"storage": {"type": "nfs"}}}, "'pvc', 'hostPath' or 'node'"),
         ({"coldStart": {"storage": {"type": "hostPath", "hostPath": {"path": "rel"}}}}, "absolute"),
         ({"coldStart": {"restorePolicy": "Always"}}, "IfAvailable or Never"),
         ({"multimodal": {"cacheSize": "lots"}}, "quantity"),

@@ -76,6 +76,10 @@ class CriuBackend:
     def readable(self, ckpt: Path) -> Path:
         raise NotImplementedError
 
+    def where(self, ckpt: str | None) -> str | None:
+        """Where checkpoint ckpt's files can be read now without asking anyone (None: nowhere)."""
+        raise NotImplementedError
+
     def restore(
         self,
         reaper: Reaper,
@@ -124,6 +128,9 @@ class InPod(CriuBackend):
         manifest_io.write(ckpt, man, key)
 
     def readable(self, ckpt: Path) -> Path:
+        return ckpt
+
+    def where(self, ckpt: str | None) -> str | None:
         return ckpt
 
     def restore(
@@ -235,6 +242,10 @@ class NodeAgent(CriuBackend):
         fd = int(answer["_fd"])
         self._open[str(ckpt)] = fd
         return Path(f"/proc/{os.getpid()}/fd/{fd}")
+
+    def where(self, ckpt: str | None) -> str | None:
+        fd = self._open.get(ckpt or "")
+        return None if fd is None else f"/proc/{os.getpid()}/fd/{fd}"
 
     def restore(
         self,

@@ -243,7 +243,8 @@ async def readyz(request: web.Request) -> web.Response:
 async def status(request: web.Request) -> web.Response:
     agent = request.app[AGENT_KEY]
     doc = agent.status_doc(request.app[PROXY_KEY].inflight)
-    doc["residency"] = await asyncio.to_thread(checkpoint_residency, doc["checkpoint"])
+    where = agent.backend.where(doc["checkpoint"])
+    doc["residency"] = await asyncio.to_thread(checkpoint_residency, where)
     lock = request.app.get(RESIDENT_KEY)
     doc["resident_lock"] = cast(api.ResidentLockDoc, lock.doc()) if lock else None
     return web.json_response(doc)
@@ -265,7 +266,7 @@ def checkpoint_residency(ckpt: str | None) -> api.ResidencyDoc | None:
 def newest_checkpoint(agent: Agent) -> tuple[str, list[tuple[str, int]]] | None:
     """The checkpoint to keep resident: the one the serving vLLM came from (restored, or
     just made and proven), once Ready, so locking never competes with a restore."""
-    ckpt = agent.status.checkpoint
+    ckpt = agent.backend.where(agent.status.checkpoint)
     if agent.status.state != "Ready" or not ckpt or not os.path.isdir(ckpt):
         return None
     return ckpt, residency.checkpoint_files(ckpt)

@@ -15,6 +15,11 @@ from rekindle_contract.pod import (
     CHECKPOINT_ENV,
     CHECKPOINT_MOUNT,
     IMAGE_ENV,
+    NODE_SOCKET,
+    NODE_SOCKET_DIR,
+    NODE_SOCKET_ENV,
+    NODE_SOCKET_VOLUME,
+    POD_UID_ENV,
     SIGNING_KEY_ENV,
     SIGNING_KEY_FILE,
     SIGNING_KEY_KEY,
@@ -340,6 +345,37 @@ def test_container_can_run_criu() -> None:
     sc = container(deployment(tiny()))["securityContext"]
     assert sc["privileged"] is True
     assert sc["seccompProfile"] == {"type": "Unconfined"}
+
+
+def test_node_mode_pods_need_no_privilege() -> None:
+    """storage type node: the node agent runs CRIU; the pod is Pod Security restricted
+    in what it asks for (the apiserver enforces baseline in tests/cluster)."""
+    dep = deployment(tiny(coldStart={"storage": {"type": "node"}}))
+    pod = dep["spec"]["template"]["spec"]
+    c = container(dep)
+    assert c["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "runAsNonRoot": True,
+        "runAsUser": 65534,
+        "runAsGroup": 65534,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    assert pod["securityContext"]["fsGroup"] == 65534
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert not [v for v in pod["volumes"] if "hostPath" in v or "persistentVolumeClaim" in v]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes[NODE_SOCKET_VOLUME] == {"name": NODE_SOCKET_VOLUME, "emptyDir": {}}
+    assert volumes["checkpoints"] == {"name": "checkpoints", "emptyDir": {}}
+    assert volumes["agent-token"]["projected"]["defaultMode"] == 0o440
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    assert mounts[NODE_SOCKET_VOLUME] == NODE_SOCKET_DIR
+    env = {e["name"]: e for e in c["env"]}
+    assert env[NODE_SOCKET_ENV]["value"] == NODE_SOCKET
+    assert env[POD_UID_ENV]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.uid"}}
+    assert env["HOME"]["value"].startswith("/tmp/")
+    # The default stays as it was: a privileged pod whose agent runs CRIU.
+    assert container(deployment(tiny()))["securityContext"]["privileged"] is True
 
 
 def test_workers_bind_loopback_so_a_new_pod_ip_does_not_break_restore() -> None:

@@ -13,6 +13,7 @@
   rekindle-dev bench warm ...           warming a cold checkpoint: vmtouch -t vs the prefetcher
   rekindle-dev bench kdat ...           CRIU's restore setup with and without its kdat cache
   rekindle-dev bench density ...        memory of N vLLM replicas restored from one checkpoint
+  rekindle-dev bench node-agent ...     restore through the node agent vs in the pod (cluster)
   rekindle-dev bench suite              make test, target by target, against its 40-min budget
   rekindle-dev bench report [--collect] docs/benchmarks.md from every benchmark's results
 
@@ -33,6 +34,7 @@ from rekindle_dev import (
     bench_ladder,
     bench_local,
     bench_mm,
+    bench_node_agent,
     bench_report,
     bench_suite,
     bench_warm,
@@ -144,6 +146,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     )
     bench_density.add_arguments(dens)
     dens.set_defaults(func=bench_density.run)
+    node = bsub.add_parser(
+        "node-agent", help="restore through the node agent vs in the pod (local cluster)"
+    )
+    bench_node_agent.add_arguments(node)
+    node.set_defaults(func=bench_node_agent.run)
     suite = bsub.add_parser("suite", help="make test, target by target: minutes, slowest tests")
     bench_suite.add_arguments(suite)
     suite.set_defaults(func=bench_suite.run)

@@ -224,3 +224,24 @@ def test_copy_verified_refuses_an_existing_staging_directory(tmp_path: Path) -> 
     (tmp_path / "stage").mkdir()
     with pytest.raises(FileExistsError):
         verified_copy.copy_verified(src, tmp_path / "stage", KEY)
+
+
+def test_holes_stay_holes_and_the_digest_covers_them(tmp_path: Path) -> None:
+    """A /dev/shm copy is mostly unwritten: the verified copy keeps its holes (its
+    disk use and the copy back to /dev/shm cost its data only), and the digest
+    is that of the whole file, holes read as zeroes."""
+    src = publish(tmp_path / "pub")
+    sparse = src / "shm" / "psm_big"
+    with sparse.open("wb") as f:
+        f.seek(8 << 20)
+        f.write(b"middle")
+        f.truncate(32 << 20)
+    files = manifest_io.checksum_files(src, manifest_io.list_files(src), threads=2)
+    man = manifest_io.read(src, KEY)
+    man["files"] = files
+    manifest_io.write(src, man, KEY)
+    v = NodeCache(tmp_path / "cache", budget_bytes=64 << 20).get(src, KEY)
+    copy = v.path / "shm" / "psm_big"
+    assert copy.read_bytes() == sparse.read_bytes()
+    assert copy.stat().st_size == 32 << 20
+    assert copy.stat().st_blocks * 512 < 1 << 20  # holes kept: far less than 32 MiB on disk

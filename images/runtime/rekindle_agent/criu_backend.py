@@ -19,6 +19,7 @@ import contextlib
 import logging
 import os
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -187,6 +188,8 @@ class InPod(CriuBackend):
 
 
 NS_LAST_PID = "/proc/sys/kernel/ns_last_pid"
+# How long a call waits for the node agent's socket to appear in the pod.
+SOCKET_WAIT_S = 10.0
 
 
 class NodeAgent(CriuBackend):
@@ -199,6 +202,7 @@ class NodeAgent(CriuBackend):
         self._open: dict[str, int] = {}  # checkpoint name -> directory descriptor
 
     def _call(self, op: str, args: dict[str, Any], timeout: float = 600.0) -> dict[str, Any]:
+        self._wait_for_socket()
         try:
             answer, fd = node_api.call(self.socket, op, self.pod_uid, args, timeout=timeout)
         except node_api.NodeAgentError as e:
@@ -206,6 +210,13 @@ class NodeAgent(CriuBackend):
         if fd is not None:
             answer["_fd"] = fd
         return answer
+
+    def _wait_for_socket(self) -> None:
+        """The node agent binds the socket once it has seen the container start (it scans
+        every 0.1 s): at container start, wait for it a few seconds rather than fail."""
+        deadline = time.monotonic() + SOCKET_WAIT_S
+        while not os.path.exists(self.socket) and time.monotonic() < deadline:
+            time.sleep(0.02)
 
     def dump(
         self,

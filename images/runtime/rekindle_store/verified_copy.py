@@ -16,6 +16,7 @@ an unlisted file in the source is never copied, so it cannot be used.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import time
@@ -148,20 +149,76 @@ def copy_file(src_dir: int, entry: FileEntry, dst_root: Path, where: str, signed
 
 
 def _copy_hashed(src: int, out: int, update: Callable[[memoryview], object]) -> int:
-    """Read src to its end, feeding each chunk to update before writing it to out."""
+    """Copy src to out, feeding every byte of src to update in order; returns src's size.
+
+    Holes stay holes (SEEK_DATA/SEEK_HOLE): a /dev/shm file of hundreds of MiB
+    that is mostly unwritten costs its data, not its size, on disk and in the
+    later copy back to /dev/shm. The digest covers the holes as the zeroes they
+    read as. Data that appears at the end after the size was taken is read too
+    (and so fails the size check).
+    """
+    size = os.fstat(src).st_size
     buf = bytearray(CHUNK)
     view = memoryview(buf)
-    total = 0
+    pos = 0
     while True:
-        n = os.readv(src, [buf])
-        if n == 0:
-            return total
-        chunk = view[:n]
-        update(chunk)
-        written = 0
-        while written < n:
-            written += os.write(out, chunk[written:])
-        total += n
+        start = _next_data(src, pos, size)
+        if start > pos:
+            _hash_zeroes(start - pos, update)
+        if start >= size:
+            pos = size
+            break
+        try:
+            end = min(os.lseek(src, start, os.SEEK_HOLE), size)
+        except OSError:
+            end = size
+        os.lseek(src, start, os.SEEK_SET)
+        os.lseek(out, start, os.SEEK_SET)
+        off = start
+        while off < end:
+            n = os.readv(src, [view[: min(CHUNK, end - off)]])
+            if n == 0:
+                break
+            chunk = view[:n]
+            update(chunk)
+            written = 0
+            while written < n:
+                written += os.write(out, chunk[written:])
+            off += n
+        pos = off
+        if off < end:  # the file shrank under us
+            break
+    # Anything beyond the size taken at the start (a writer appended): count it.
+    os.lseek(src, pos, os.SEEK_SET)
+    os.lseek(out, pos, os.SEEK_SET)
+    while n := os.readv(src, [buf]):
+        update(view[:n])
+        os.write(out, view[:n])
+        pos += n
+    os.ftruncate(out, pos)  # trailing holes
+    return pos
+
+
+def _next_data(fd: int, pos: int, size: int) -> int:
+    """The offset of the next data at or after pos (size: none, only a hole is left)."""
+    if pos >= size:
+        return size
+    try:
+        return min(os.lseek(fd, pos, os.SEEK_DATA), size)
+    except OSError as e:
+        if e.errno == errno.ENXIO:
+            return size
+        return pos  # no SEEK_DATA on this file system: read it all
+
+
+_ZEROES = memoryview(bytes(CHUNK))
+
+
+def _hash_zeroes(n: int, update: Callable[[memoryview], object]) -> None:
+    while n > 0:
+        k = min(n, CHUNK)
+        update(_ZEROES[:k])
+        n -= k
 
 
 def copy_verified(

@@ -266,15 +266,10 @@ def test_a_privileged_pod_is_refused_in_a_baseline_namespace(node_agent: str) ->
 
 def test_state_dir_is_root_only(node_agent: str) -> None:
     """The verified cache and the node key: root-only on the node."""
-    ds = kubectl_json("get", "-n", node_agent, "daemonset/rk-rekindle-node")
-    state = next(
-        v["hostPath"]["path"]
-        for v in ds["spec"]["template"]["spec"]["volumes"]
-        if v["name"] == "state"
-    )
-    wait_until("the node agent's state", lambda: (Path(state) / "cache").is_dir(), 60)
-    assert Path(state).stat().st_mode & 0o777 == 0o700
-    assert (Path(state) / "node-signing-key").stat().st_mode & 0o777 == 0o400
+    state = _state_dir(node_agent)
+    wait_until("the node agent's state", lambda: (state / "cache").is_dir(), 60)
+    assert state.stat().st_mode & 0o777 == 0o700
+    assert (state / "node-signing-key").stat().st_mode & 0o777 == 0o400
 
 
 # -- An InferenceService with spec.coldStart.storage.type node ------------------------
@@ -346,7 +341,9 @@ def _processes(ns: str, pod: str) -> list[dict[str, str]]:
     return list(json.loads(r.stdout))
 
 
-def test_a_node_mode_service_boots_checkpoints_and_restores_unprivileged(tenant: str) -> None:
+def test_a_node_mode_service_boots_checkpoints_and_restores_unprivileged(
+    tenant: str, node_agent: str
+) -> None:
     ns = tenant
     require_runtime_image()
     doc = isvc_manifest(NAME, "/unused", example="tiny-cpu.yaml")
@@ -395,6 +392,29 @@ def test_a_node_mode_service_boots_checkpoints_and_restores_unprivileged(tenant:
     procs = _processes(ns, pod["metadata"]["name"])
     assert any("vllm" in p["cmd"] for p in procs), procs
     assert {(p["uid"], p["cap"]) for p in procs} == {("65534", "0000000000000000")}, procs
+
+    # The node agent no longer holds it (evicted, or made on another node): a new pod
+    # boots normally and says why.
+    entries = _state_dir(node_agent) / "cache" / "entries"
+    for entry in entries.iterdir():
+        shutil.rmtree(entry)
+    kubectl("scale", f"rkis/{NAME}", "-n", ns, "--replicas=0")
+    wait_until("no pods left", lambda: not pods_of(NAME, ns), 180)
+    kubectl("scale", f"rkis/{NAME}", "-n", ns, "--replicas=1")
+    obj = _ready(ns, "booted")
+    reason = obj["status"]["pods"][0]["reason"]
+    assert reason.startswith("no_checkpoint: "), reason
+    assert "is not in this node's cache" in reason, reason
+    wait_until("the Service to accept connections", lambda: _accepts(url), 60)
+    assert _completions(url) == before
+    # Deleting its Checkpoint removes nothing (nothing of it is on a volume): done at once.
+    kubectl("delete", "rkcp", "first", "-n", ns, "--timeout=60s")
+
+
+def _state_dir(agent_ns: str) -> Path:
+    ds = kubectl_json("get", "-n", agent_ns, "daemonset/rk-rekindle-node")
+    volumes = ds["spec"]["template"]["spec"]["volumes"]
+    return Path(next(v["hostPath"]["path"] for v in volumes if v["name"] == "state"))
 
 
 def _accepts(url: str) -> bool:

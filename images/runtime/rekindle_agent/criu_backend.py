@@ -58,6 +58,8 @@ class CriuBackend:
     agent_signs = True
     #: the agent can protect checkpoint files (read-only, immutable) and mounts
     privileged = True
+    #: what readable() gives was verified, every byte, into storage no tenant can write
+    verified_content = False
 
     def dump(
         self,
@@ -195,6 +197,7 @@ SOCKET_WAIT_S = 10.0
 class NodeAgent(CriuBackend):
     agent_signs = False
     privileged = False
+    verified_content = True
 
     def __init__(self, socket: str, pod_uid: str) -> None:
         self.socket = socket

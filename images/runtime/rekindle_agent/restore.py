@@ -168,7 +168,9 @@ def restore(
         phases[name] = now - t0
         return now
 
-    verify = cfg.verify_checksums
+    # Content the node agent verified into its root-only cache is not hashed again here:
+    # the prefetcher only warms it, and the reload does not check the weights again.
+    verify = "size" if backend.verified_content else cfg.verify_checksums
     pre = prefetcher
     restored_root: int | None = None
     created_shm: list[str] = []
@@ -291,7 +293,7 @@ def restore(
                 # Content was checked above (prefetch or up front) unless only sizes were.
                 woke = control.wake(
                     str(ckpt / WEIGHTS_SUBDIR),
-                    verify=verify == "size",
+                    verify=verify == "size" and not backend.verified_content,
                     # The restored tree kept the environment it was dumped with: the
                     # off switch of this pod's environment is passed on explicitly.
                     map_weights=not weights_map.switched_off(),

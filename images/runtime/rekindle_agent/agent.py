@@ -485,7 +485,6 @@ class Agent:
         try:
             self.backend.mark_verified(
                 ckpt,
-                ckpt,
                 man,
                 {"restore_seconds": self.status.timings["restore"]},
                 self.signing_key,

@@ -20,6 +20,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,10 @@ class BackendError(RuntimeError):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+# Wraps CRIU's argv (the GPU path puts cuda-checkpoint first on CRIU's PATH).
+ArgvWrap = Callable[[list[str]], list[str]]
 
 
 @dataclass(frozen=True)
@@ -69,7 +74,7 @@ class CriuBackend:
         log_file: str,
         plugins: str | None,
         timeout: float,
-        env_argv: Any = None,
+        env_argv: ArgvWrap | None = None,
     ) -> None:
         raise NotImplementedError
 
@@ -90,12 +95,12 @@ class CriuBackend:
         readable: Path,
         run_dir: str,
         opts: RestoreOptions,
-        env_argv: Any = None,
+        env_argv: ArgvWrap | None = None,
     ) -> int:
         raise NotImplementedError
 
     def mark_verified(
-        self, ckpt: Path, readable: Path, man: Manifest, details: dict[str, Any], key: bytes | None
+        self, ckpt: Path, man: Manifest, details: dict[str, Any], key: bytes | None
     ) -> None:
         raise NotImplementedError
 
@@ -115,7 +120,7 @@ class InPod(CriuBackend):
         log_file: str,
         plugins: str | None,
         timeout: float,
-        env_argv: Any = None,
+        env_argv: ArgvWrap | None = None,
     ) -> None:
         argv = criu.dump_argv(self.binary, root, str(images), log_file, plugins=plugins)
         if env_argv is not None:
@@ -143,7 +148,7 @@ class InPod(CriuBackend):
         readable: Path,
         run_dir: str,
         opts: RestoreOptions,
-        env_argv: Any = None,
+        env_argv: ArgvWrap | None = None,
     ) -> int:
         pidfile = os.path.join(run_dir, "restore.pid")
         with contextlib.suppress(FileNotFoundError):
@@ -179,7 +184,7 @@ class InPod(CriuBackend):
         return int(Path(pidfile).read_text().strip())
 
     def mark_verified(
-        self, ckpt: Path, readable: Path, man: Manifest, details: dict[str, Any], key: bytes | None
+        self, ckpt: Path, man: Manifest, details: dict[str, Any], key: bytes | None
     ) -> None:
         manifest_io.mark_verified(ckpt, man, details, key)
 
@@ -229,7 +234,7 @@ class NodeAgent(CriuBackend):
         log_file: str,
         plugins: str | None,
         timeout: float,
-        env_argv: Any = None,
+        env_argv: ArgvWrap | None = None,
     ) -> None:
         self._call("dump", {"pid": root}, timeout=timeout)
 
@@ -268,7 +273,7 @@ class NodeAgent(CriuBackend):
         readable: Path,
         run_dir: str,
         opts: RestoreOptions,
-        env_argv: Any = None,
+        env_argv: ArgvWrap | None = None,
     ) -> int:
         args = {
             "name": str(ckpt),
@@ -280,7 +285,7 @@ class NodeAgent(CriuBackend):
         return int(answer["pid"])
 
     def mark_verified(
-        self, ckpt: Path, readable: Path, man: Manifest, details: dict[str, Any], key: bytes | None
+        self, ckpt: Path, man: Manifest, details: dict[str, Any], key: bytes | None
     ) -> None:
         self._call("mark_verified", {"name": str(ckpt), "details": details}, timeout=60)
 

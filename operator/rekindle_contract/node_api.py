@@ -26,6 +26,8 @@ MAX_ANSWER_BYTES = 4 << 20
 #         .stopped); answer: pid
 # status  the node cache's entries of the caller's namespace
 # devices the caller's container's devices, from the kubelet
+# mapped_failed  a tree restored from args.name with mapped memory died of SIGBUS
+#         (args.why): restores of it copy from now on
 # reserve_pids  move the pod's next pid above args.floor (before vLLM starts: its pids
 #         stay free in a new pod for a restore)
 OPS = (
@@ -34,6 +36,7 @@ OPS = (
     "open",
     "mark_verified",
     "restore",
+    "mapped_failed",
     "reserve_pids",
     "status",
     "devices",

@@ -301,9 +301,24 @@ def _seconds(key: str, value: float | None) -> dict[str, float]:
     return {} if value is None else {key: round(value, 1)}
 
 
+# What a node agent says when it restored a checkpoint by copying because a replica
+# restored from it with mapped memory died (rekindle_node.operations.mapped_failed).
+MAPPED_RESTORE_OFF = "died after a mapped restore"
+
+
 def transitions(old: Body, new: Body) -> list[tuple[str, str, str]]:
-    """(type Normal|Warning, reason, message) for each phase or condition change."""
+    """(type Normal|Warning, reason, message) for each phase or condition change, and for
+    each pod newly restored by copying because a mapped restore of its checkpoint died."""
     events: list[tuple[str, str, str]] = []
+    seen = {
+        p.get("name")
+        for p in old.get("pods") or []
+        if MAPPED_RESTORE_OFF in str(p.get("memoryReason"))
+    }
+    for p in new.get("pods") or []:
+        why = str(p.get("memoryReason") or "")
+        if p.get("memory") == "copy" and MAPPED_RESTORE_OFF in why and p.get("name") not in seen:
+            events.append(("Warning", "MappedRestoreOff", f"pod {p.get('name')}: {why}"))
     if old.get("phase") != new.get("phase"):
         kind = "Warning" if new.get("phase") in ("Failed", "Degraded") else "Normal"
         events.append((kind, f"Phase{new.get('phase')}", f"phase is now {new.get('phase')}"))

@@ -36,6 +36,7 @@ from tests.cluster.operator_fixtures import (
     RUNTIME_IMAGE,
     OperatorProcess,
     apply,
+    get,
     http_json,
     install_crds,
     isvc_manifest,
@@ -276,6 +277,20 @@ def test_state_dir_is_root_only(node_agent: str) -> None:
 
 NAME = "tiny"
 PROMPTS = ("Hello, my name is", "1, 2, 3, 4,")
+# Run in the serving container: SIGBUS to vLLM's root (the API server, a child of PID 1).
+SIGBUS_VLLM = r"""
+import os, signal
+for p in os.listdir("/proc"):
+    if p.isdigit() and p != "1":
+        try:
+            cmd = open(f"/proc/{p}/cmdline", "rb").read()
+            ppid = open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1]
+        except OSError:
+            continue
+        if ppid == "1" and b"vllm.entrypoints" in cmd:
+            os.kill(int(p), signal.SIGBUS)
+            print(p)
+"""
 # Run in the serving container: every process's uid, effective capabilities and command.
 PROCESSES = r"""
 import json, os
@@ -385,13 +400,31 @@ def test_a_node_mode_service_boots_checkpoints_and_restores_unprivileged(
     wait_until("no pods left", lambda: not pods_of(NAME, ns), 180)
     kubectl("scale", f"rkis/{NAME}", "-n", ns, "--replicas=1")
     obj = _ready(ns, "restored")
-    assert obj["status"]["pods"][0]["origin"] == "restored"
+    assert obj["status"]["pods"][0]["memory"] == "mmap", obj["status"]["pods"]
     wait_until("the Service to accept connections", lambda: _accepts(url), 60)
     assert _completions(url) == before
     (pod,) = pods_of(NAME, ns)
     procs = _processes(ns, pod["metadata"]["name"])
     assert any("vllm" in p["cmd"] for p in procs), procs
     assert {(p["uid"], p["cap"]) for p in procs} == {("65534", "0000000000000000")}, procs
+
+    # The hazard of mapped memory: the tree dies of SIGBUS. The container comes back by
+    # itself (liveness), restored by copying from then on, with an Event saying why.
+    kubectl("exec", "-n", ns, pod["metadata"]["name"], "--", PYTHON, "-c", SIGBUS_VLLM)
+
+    def copied() -> bool:
+        st = (get("rkis", NAME, ns) or {}).get("status") or {}
+        pods = st.get("pods") or []
+        return bool(pods) and pods[0].get("ready") is True and pods[0].get("memory") == "copy"
+
+    wait_until("the replica back, restored by copying", copied, 300)
+    st = (get("rkis", NAME, ns) or {})["status"]["pods"][0]
+    assert st["origin"] == "restored", st
+    assert "died after a mapped restore: vLLM exited (killed by SIGBUS" in st["memoryReason"], st
+    events = kubectl("get", "events", "-n", ns, "--field-selector", "reason=MappedRestoreOff")
+    assert "died after a mapped restore" in events.stdout, events.stdout
+    wait_until("the Service to accept connections", lambda: _accepts(url), 60)
+    assert _completions(url) == before
 
     # The node agent no longer holds it (evicted, or made on another node): a new pod
     # boots normally and says why.

@@ -211,3 +211,17 @@ def test_a_manifests_phase_timings_are_bounded() -> None:
     timings = {f"phase-{i}-" + "y" * 500: float(i) for i in range(1000)}
     got = manifest_summary({"files": [], "timings": timings})["phaseSeconds"]
     assert len(got) == MAX_PHASES and all(len(k) <= 64 for k in got)
+
+
+def test_a_pod_restored_by_copying_after_a_mapped_restore_died_is_an_event_once() -> None:
+    why = (
+        "the node agent copies this checkpoint's memory: a replica (ns/tiny-a) died after "
+        "a mapped restore: vLLM exited (killed by SIGBUS)"
+    )
+    pod = {"name": "tiny-b", "ready": True, "origin": "restored", "memory": "copy",
+           "memoryReason": why}  # fmt: skip
+    events = transitions({"pods": []}, {"pods": [pod]})
+    assert events == [("Warning", "MappedRestoreOff", f"pod tiny-b: {why}")]
+    assert transitions({"pods": [pod]}, {"pods": [pod]}) == []
+    mapped = {**pod, "memory": "mmap", "memoryReason": "no jemalloc"}
+    assert transitions({"pods": []}, {"pods": [mapped]}) == []

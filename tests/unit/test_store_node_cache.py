@@ -245,3 +245,12 @@ def test_holes_stay_holes_and_the_digest_covers_them(tmp_path: Path) -> None:
     assert copy.read_bytes() == sparse.read_bytes()
     assert copy.stat().st_size == 32 << 20
     assert copy.stat().st_blocks * 512 < 1 << 20  # holes kept: far less than 32 MiB on disk
+
+
+def test_a_checkpoint_marked_copy_only_says_why(tmp_path: Path, cache: NodeCache) -> None:
+    v = cache.get(publish(tmp_path / "pub"), KEY)
+    assert cache.copy_only(v.entry) is None
+    cache.set_copy_only(v.entry, "a replica died after a mapped restore: SIGBUS")
+    assert cache.copy_only(v.entry) == "a replica died after a mapped restore: SIGBUS"
+    again = NodeCache(cache.root, budget_bytes=cache.budget)  # a restarted node agent
+    assert again.copy_only(v.entry) == "a replica died after a mapped restore: SIGBUS"

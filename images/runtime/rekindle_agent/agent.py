@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -568,8 +569,25 @@ class Agent:
                 and not self.flow_lock.locked()
                 and not self.vllm.alive()
             ):
-                how = describe_exit(self.vllm.exit_code(timeout=2))
+                code = self.vllm.exit_code(timeout=2)
+                how = describe_exit(code)
+                if code == -signal.SIGBUS and self.status.restored_with_mmap:
+                    self._mapped_restore_failed()
                 self.set_state("Failed", f"vLLM exited unexpectedly{how}; see {self.vllm.log_path}")
+
+    def _mapped_restore_failed(self) -> None:
+        """A tree restored with mapped memory died of SIGBUS: the one hazard of a mapped
+        restore (a range grown, by mremap(), past a mapped run). Restores of that
+        checkpoint copy from now on (the node agent keeps that), so the restarted
+        container comes back, copied."""
+        ckpt = self.status.checkpoint
+        if not ckpt:
+            return
+        try:
+            self.backend.mapped_failed(Path(ckpt), "vLLM exited (killed by SIGBUS)")
+            log.warning("vLLM died of SIGBUS after a mapped restore from %s: restores copy", ckpt)
+        except BackendError as e:
+            log.warning("could not have restores of %s copy: %s", ckpt, e)
 
     def shutdown(self) -> None:
         self.stopping = True

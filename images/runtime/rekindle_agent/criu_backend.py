@@ -65,6 +65,8 @@ class CriuBackend:
     privileged = True
     #: what readable() gives was verified, every byte, into storage no tenant can write
     verified_content = False
+    #: set by restore() when memory was copied although mapping was asked for: why
+    copied: str | None = None
 
     def dump(
         self,
@@ -105,6 +107,10 @@ class CriuBackend:
         raise NotImplementedError
 
     def reserve_pids(self, floor: int) -> None:
+        raise NotImplementedError
+
+    def mapped_failed(self, ckpt: Path, why: str) -> None:
+        """A tree restored from ckpt with mapped memory died of SIGBUS (why)."""
         raise NotImplementedError
 
 
@@ -187,6 +193,9 @@ class InPod(CriuBackend):
         self, ckpt: Path, man: Manifest, details: dict[str, Any], key: bytes | None
     ) -> None:
         manifest_io.mark_verified(ckpt, man, details, key)
+
+    def mapped_failed(self, ckpt: Path, why: str) -> None:
+        """Nothing to record: an in-pod agent decides per restore (mmap_policy)."""
 
     def reserve_pids(self, floor: int) -> None:
         with contextlib.suppress(OSError, ValueError):
@@ -282,7 +291,11 @@ class NodeAgent(CriuBackend):
             "stopped": opts.stopped,
         }
         answer = self._call("restore", args, timeout=opts.timeout)
+        self.copied = str(answer["copied"]) if answer.get("copied") else None
         return int(answer["pid"])
+
+    def mapped_failed(self, ckpt: Path, why: str) -> None:
+        self._call("mapped_failed", {"name": str(ckpt), "why": why}, timeout=30)
 
     def mark_verified(
         self, ckpt: Path, man: Manifest, details: dict[str, Any], key: bytes | None

@@ -266,6 +266,8 @@ def restore(
             )
         except BackendError as e:
             raise RestoreError("criu_restore_failed", str(e)) from e
+        if decision.use and backend.copied:
+            decision = mmap_policy.Decision(False, backend.copied)
         vllm.adopt(restored_root)
         t = mark("criu_restore", t)
 

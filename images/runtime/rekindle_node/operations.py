@@ -97,6 +97,7 @@ class Operations:
             "open": self.open,
             "mark_verified": self.mark_verified,
             "restore": self.restore,
+            "mapped_failed": self.mapped_failed,
             "reserve_pids": self.reserve_pids,
             "status": self.status,
             "devices": self.devices,
@@ -232,7 +233,8 @@ class Operations:
         """CRIU-restore checkpoint args.name into the caller's pod; its root pid there."""
         entry = self._entry(caller, req)
         flags = list(RESTORE_FLAGS)
-        if _bool_arg(req, "mmap"):
+        copy_why = self.cache.copy_only(entry.entry) if _bool_arg(req, "mmap") else None
+        if _bool_arg(req, "mmap") and copy_why is None:
             flags.append("--mmap-restore")
             if _bool_arg(req, "mmap_heap"):
                 flags.append("--mmap-restore-heap")
@@ -256,11 +258,28 @@ class Operations:
                 raise OperationError("criu_failed", _criu_failure("restore", res, work))
         finally:
             shutil.rmtree(work, ignore_errors=True)
-        return {
+        answer: dict[str, Any] = {
             "checkpoint": entry.entry,
             "pid": entry.manifest["vllm"]["root_pid"],
             "seconds": time.monotonic() - t0,
         }
+        if copy_why is not None:
+            answer["copied"] = f"the node agent copies this checkpoint's memory: {copy_why}"
+        return answer
+
+    def mapped_failed(self, caller: Caller, req: Request) -> dict[str, Any]:
+        """A tree of the caller's restored from args.name with mapped memory died of
+        SIGBUS: restore that checkpoint by copying from now on (mapped memory has one
+        hazard by nature: a range grown past a mapped run)."""
+        entry = self._entry(caller, req)
+        why = req.args.get("why")
+        if not isinstance(why, str):
+            raise ValueError("why: what happened, in words")
+        c = caller.container
+        self.cache.set_copy_only(
+            entry.entry, f"a replica ({c.namespace}/{c.pod}) died after a mapped restore: {why}"
+        )
+        return {"checkpoint": entry.entry, "copy_only": True}
 
     def reserve_pids(self, caller: Caller, req: Request) -> dict[str, Any]:
         """Move the pod's next pid to args.floor (writing ns_last_pid needs a capability

@@ -89,6 +89,7 @@ class NodeCache:
         self.pins = root / "pins"
         self.staging = root / "staging"
         self.aliases = root / "names"
+        self.copy_only_dir = root / "copy-only"
         self._lock = threading.Lock()  # one copy or eviction at a time
         for d in (root, self.entries, self.pins, self.aliases):
             d.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -223,6 +224,18 @@ class NodeCache:
             # Readable by the pods the entry's descriptor is handed to (manifest_io writes 0600).
             os.chmod(path / MANIFEST_NAME, 0o444)
             os.chmod(path / VERIFIED_NAME, 0o444)
+
+    def set_copy_only(self, entry: str, why: str) -> None:
+        """Restores of entry copy its memory from now on (a mapped restore of it failed)."""
+        self.copy_only_dir.mkdir(mode=0o700, exist_ok=True)
+        (self.copy_only_dir / entry).write_text(why[:1000])
+
+    def copy_only(self, entry: str) -> str | None:
+        """Why entry must not be mapped (None: it may be)."""
+        try:
+            return (self.copy_only_dir / entry).read_text()
+        except OSError:
+            return None
 
     def unpin_holder(self, holder: str) -> None:
         """holder is gone (its pod ended): it maps nothing any more."""

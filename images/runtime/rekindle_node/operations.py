@@ -1,11 +1,12 @@
 """What the node agent does for a pod: dump its tree, restore a tree into it, report.
 
 Every operation acts on the caller's own pod, found from the caller (its pid
-namespace's PID 1), never from the request. A dump is written by the node
-agent into its own root-only staging directory, hashed as it lands and
-signed with the node's key; it enters the node cache as it is. A restore reads
-only a cache entry, and only into a pod of the namespace the checkpoint was
-made in (the signed manifest says which).
+namespace's PID 1), never from the request. A dump (CRIU's images) and then the
+caller's own files (commit: the weight dump, /dev/shm copies) are written by the
+node agent into its root-only staging directory, hashed as they land, signed
+with the node's key, and sealed into the node cache as they are. A restore
+reads only a cache entry, and only into a pod of the namespace the checkpoint
+was made in (the name index is per namespace; the signed identity agrees).
 """
 
 from __future__ import annotations

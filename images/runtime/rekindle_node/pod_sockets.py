@@ -42,13 +42,21 @@ class SocketVolume:
     host_dir: Path
 
 
+class NotYet(Exception):
+    """The container's record cannot be read yet (being written): look again later."""
+
+
 def socket_volume(bundle: Path) -> SocketVolume | None:
-    """The container's socket directory on the node, if it mounts one (else None)."""
+    """The container's socket directory on the node, if it mounts one (None: it does not,
+    or it is no pod's application container). NotYet while its record is incomplete."""
     try:
         spec = json.loads((bundle / "config.json").read_bytes())
+    except (OSError, ValueError) as e:
+        raise NotYet(str(e)) from e
+    try:
         container = identity.pod_container(bundle.name, bundle.parent)
-    except (OSError, ValueError, IdentityError):
-        return None
+    except IdentityError:
+        return None  # a sandbox, or not the CRI's
     for m in spec.get("mounts") or []:
         if m.get("destination") == NODE_SOCKET_DIR and m.get("source"):
             return SocketVolume(container=container, host_dir=Path(m["source"]))
@@ -70,6 +78,7 @@ class PodSockets:
         self.on_gone = on_gone
         self.resolve = resolve or (lambda pid, tasks: identity.identify(pid, bundles=tasks))
         self.servers: dict[str, _Bound] = {}  # by container id
+        self.other: set[str] = set()  # containers that mount no socket volume: read once
         self._stop = threading.Event()
 
     def scan(self) -> None:
@@ -79,12 +88,18 @@ class PodSockets:
         except OSError as e:
             log.warning("cannot list %s: %s", self.tasks, e)
             return
-        for cid in present - set(self.servers):
-            vol = socket_volume(self.tasks / cid)
-            if vol is not None:
+        for cid in present - set(self.servers) - self.other:
+            try:
+                vol = socket_volume(self.tasks / cid)
+            except NotYet:
+                continue
+            if vol is None:
+                self.other.add(cid)
+            else:
                 self._bind(cid, vol)
         for cid in set(self.servers) - present:
             self._close(cid)
+        self.other &= present
 
     def _bind(self, cid: str, vol: SocketVolume) -> None:
         pod_uid = vol.container.pod_uid

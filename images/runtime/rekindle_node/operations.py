@@ -169,7 +169,12 @@ class Operations:
                 },
             )
             man.setdefault("fingerprint", {})
-            man["criu"] = {**dict(man.get("criu") or {}), "dump_flags": list(DUMP_FLAGS)}
+            # What dumped it: the node agent's CRIU (the agent's record names its own).
+            man["criu"] = {
+                "binary": str(self.settings.criu.criu),
+                "dumped_by": "node agent",
+                "dump_flags": list(DUMP_FLAGS),
+            }
             man.setdefault("vllm", {"root_pid": pending.pid})
             man["vllm"]["root_pid"] = pending.pid
             timings = dict(man.get("timings") or {})

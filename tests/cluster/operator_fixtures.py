@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -300,3 +301,12 @@ def pods_of(name: str, namespace: str) -> list[dict[str, Any]]:
         "get", "pods", "-n", namespace, "-l", f"rekindle.dev/inferenceservice={name}"
     )["items"]
     return [p for p in items if not p["metadata"].get("deletionTimestamp")]
+
+
+def accepts(url: str) -> bool:
+    host, port = url.removeprefix("http://").split(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=2).close()
+        return True
+    except OSError:
+        return False

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import socket
 import textwrap
 import uuid
 from collections.abc import Iterator
@@ -35,6 +34,7 @@ from tests.cluster.cluster_tools import (
 from tests.cluster.operator_fixtures import (
     RUNTIME_IMAGE,
     OperatorProcess,
+    accepts,
     apply,
     get,
     http_json,
@@ -367,7 +367,7 @@ def test_a_node_mode_service_boots_checkpoints_and_restores_unprivileged(
     assert r.returncode == 0, r.stderr
     _ready(ns, "booted")
     url = service_url(NAME, ns)
-    wait_until("the Service to accept connections", lambda: _accepts(url), 60)
+    wait_until("the Service to accept connections", lambda: accepts(url), 60)
     before = _completions(url)
 
     (pod,) = pods_of(NAME, ns)
@@ -401,7 +401,7 @@ def test_a_node_mode_service_boots_checkpoints_and_restores_unprivileged(
     kubectl("scale", f"rkis/{NAME}", "-n", ns, "--replicas=1")
     obj = _ready(ns, "restored")
     assert obj["status"]["pods"][0]["memory"] == "mmap", obj["status"]["pods"]
-    wait_until("the Service to accept connections", lambda: _accepts(url), 60)
+    wait_until("the Service to accept connections", lambda: accepts(url), 60)
     assert _completions(url) == before
     (pod,) = pods_of(NAME, ns)
     procs = _processes(ns, pod["metadata"]["name"])
@@ -423,7 +423,7 @@ def test_a_node_mode_service_boots_checkpoints_and_restores_unprivileged(
     assert "died after a mapped restore: vLLM exited (killed by SIGBUS" in st["memoryReason"], st
     events = kubectl("get", "events", "-n", ns, "--field-selector", "reason=MappedRestoreOff")
     assert "died after a mapped restore" in events.stdout, events.stdout
-    wait_until("the Service to accept connections", lambda: _accepts(url), 60)
+    wait_until("the Service to accept connections", lambda: accepts(url), 60)
     assert _completions(url) == before
 
     # The node agent no longer holds it (evicted, or made on another node): a new pod
@@ -438,7 +438,7 @@ def test_a_node_mode_service_boots_checkpoints_and_restores_unprivileged(
     reason = obj["status"]["pods"][0]["reason"]
     assert reason.startswith("no_checkpoint: "), reason
     assert "is not in this node's cache" in reason, reason
-    wait_until("the Service to accept connections", lambda: _accepts(url), 60)
+    wait_until("the Service to accept connections", lambda: accepts(url), 60)
     assert _completions(url) == before
     # Deleting its Checkpoint removes nothing (nothing of it is on a volume): done at once.
     kubectl("delete", "rkcp", "first", "-n", ns, "--timeout=60s")
@@ -448,12 +448,3 @@ def _state_dir(agent_ns: str) -> Path:
     ds = kubectl_json("get", "-n", agent_ns, "daemonset/rk-rekindle-node")
     volumes = ds["spec"]["template"]["spec"]["volumes"]
     return Path(next(v["hostPath"]["path"] for v in volumes if v["name"] == "state"))
-
-
-def _accepts(url: str) -> bool:
-    host, port = url.removeprefix("http://").split(":")
-    try:
-        socket.create_connection((host, int(port)), timeout=2).close()
-        return True
-    except OSError:
-        return False

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -47,6 +46,7 @@ from rekindle_operator.spec import parse_spec
 from tests.cluster.cluster_tools import kubectl, kubectl_json, require_tool, wait_until
 from tests.cluster.operator_fixtures import (
     OperatorProcess,
+    accepts,
     apply,
     data_dir,
     get,
@@ -105,15 +105,6 @@ def completions(url: str) -> list[str]:
         )
         out.append(r["choices"][0]["text"])
     return out
-
-
-def accepts(url: str) -> bool:
-    host, port = url.removeprefix("http://").split(":")
-    try:
-        socket.create_connection((host, int(port)), timeout=2).close()
-        return True
-    except OSError:
-        return False
 
 
 def scale(ns: str, n: int) -> None:

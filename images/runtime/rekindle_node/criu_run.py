@@ -79,35 +79,20 @@ def in_pod(pod_init: int, argv: list[str]) -> list[str]:
     return ["nsenter", "-t", str(pod_init), "-p", "-m", "-n", "-i", "-u", "--", *argv]
 
 
-def dump_argv(
+def criu_argv(
     files: CriuFiles,
     fds: Descriptors,
     pod_init: int,
-    pid_in_pod: int,
+    action: list[str],
     images: Path,
     work: Path,
+    log: str,
     extra: list[str],
 ) -> list[str]:
-    """`criu dump` of the tree rooted at pid_in_pod (its pid inside the pod) into images;
-    the log goes to work (dump.log), so images holds only what CRIU dumped."""
-    args = ["dump", "-t", str(pid_in_pod), "-D", fds.open(images, directory=True)]
-    args += ["-W", fds.open(work, directory=True), "-o", "dump.log", "-v4", *extra]
-    if files.plugins is not None:
-        args += ["-L", fds.open(files.plugins, directory=True)]
-    return in_pod(pod_init, [*criu_prefix(files, fds), *args])
-
-
-def restore_argv(
-    files: CriuFiles,
-    fds: Descriptors,
-    pod_init: int,
-    images: Path,
-    work: Path,
-    extra: list[str],
-) -> list[str]:
-    """`criu restore -d` of images (read-only, verified) into the pod; logs go to work."""
-    args = ["restore", "-d", "-D", fds.open(images, directory=True)]
-    args += ["-W", fds.open(work, directory=True), "-o", "restore.log", "-v4", *extra]
+    """`criu ACTION` in the pod: images written (dump) or read (restore, read-only and
+    verified) through a descriptor; its log goes to work, so images hold only images."""
+    args = [*action, "-D", fds.open(images, directory=True)]
+    args += ["-W", fds.open(work, directory=True), "-o", log, "-v4", *extra]
     if files.plugins is not None:
         args += ["-L", fds.open(files.plugins, directory=True)]
     return in_pod(pod_init, [*criu_prefix(files, fds), *args])
@@ -174,6 +159,23 @@ def run(
     return CriuResult(returncode=out.returncode, output=out.stdout)
 
 
+def _run_in_pod(
+    files: CriuFiles,
+    pod_init: int,
+    action: list[str],
+    images: Path,
+    work: Path,
+    log: str,
+    extra: list[str],
+    timeout: float,
+    cgroup_root: Path,
+) -> CriuResult:
+    cgroups = cgroup_procs(pod_init, root=cgroup_root)
+    fds = Descriptors()
+    argv = criu_argv(files, fds, pod_init, action, images, work, log, extra)
+    return run(argv, fds, timeout, cgroups)
+
+
 def dump(
     files: CriuFiles,
     pod_init: int,
@@ -184,10 +186,11 @@ def dump(
     timeout: float = 600.0,
     cgroup_root: Path = CGROUP_ROOT,
 ) -> CriuResult:
-    cgroups = cgroup_procs(pod_init, root=cgroup_root)
-    fds = Descriptors()
-    argv = dump_argv(files, fds, pod_init, pid_in_pod, images, work, extra)
-    return run(argv, fds, timeout, cgroups)
+    """`criu dump` of the tree rooted at pid_in_pod (its pid inside the pod) into images."""
+    action = ["dump", "-t", str(pid_in_pod)]
+    return _run_in_pod(
+        files, pod_init, action, images, work, "dump.log", extra, timeout, cgroup_root
+    )
 
 
 def restore(
@@ -199,7 +202,8 @@ def restore(
     timeout: float = 600.0,
     cgroup_root: Path = CGROUP_ROOT,
 ) -> CriuResult:
-    cgroups = cgroup_procs(pod_init, root=cgroup_root)
-    fds = Descriptors()
-    argv = restore_argv(files, fds, pod_init, images, work, extra)
-    return run(argv, fds, timeout, cgroups)
+    """`criu restore -d` of images into the pod (the tree re-parented to its PID 1)."""
+    action = ["restore", "-d"]
+    return _run_in_pod(
+        files, pod_init, action, images, work, "restore.log", extra, timeout, cgroup_root
+    )

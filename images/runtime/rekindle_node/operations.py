@@ -329,12 +329,13 @@ class Operations:
     def status(self, caller: Caller, req: Request) -> dict[str, Any]:
         """The node cache's entries of the caller's namespace."""
         ns = caller.container.namespace
-        out = []
-        for r in self.cache.report_json():
-            entry = self.cache.lookup(r["entry"], self.key)
+        mine = []
+        for name in self.cache.names():
+            entry = self.cache.lookup(name, self.key)
             if entry is not None and entry.manifest.get("identity", {}).get("namespace") == ns:
-                out.append(r)
-        return {"entries": out}
+                mine.append(name)
+        # Residency (mincore over every file) only for the caller's own entries.
+        return {"entries": self.cache.report_json(mine)}
 
     def devices(self, caller: Caller, req: Request) -> dict[str, Any]:
         """The caller's own container's devices, as the kubelet allocated them.

@@ -325,9 +325,10 @@ class NodeCache:
         except OSError:
             return 0.0
 
-    def report(self) -> list[EntryReport]:
+    def report(self, names: list[str] | None = None) -> list[EntryReport]:
+        """Per entry (names: only these; default all): residency measured now."""
         out = []
-        for name in self.names():
+        for name in self.names() if names is None else names:
             record = self._record(name) or {}
             total = resident = 0
             for f in (self.entries / name).rglob("*"):
@@ -347,8 +348,8 @@ class NodeCache:
             )
         return out
 
-    def report_json(self) -> list[dict[str, Any]]:
-        return [asdict(r) for r in self.report()]
+    def report_json(self, names: list[str] | None = None) -> list[dict[str, Any]]:
+        return [asdict(r) for r in self.report(names)]
 
 
 def _name_key(name: str) -> str:

@@ -108,6 +108,12 @@ class AgentArgs:
         "this pod's UID (the downward API), what the agent asks the node agent about",
         default=None,
     )
+    node_publish: bool = _opt(
+        "with --node-socket: the checkpoint volume is shared storage; the node agent copies "
+        "each proven checkpoint there, and pulls one its cache lacks back from there "
+        "(verifying every byte)",
+        default=False,
+    )
     dump_timeout: float = _opt("seconds CRIU's dump may take", default=600.0)
     checkpoint_timeout: float = _opt(
         "watchdog: seconds a whole checkpoint (drain, dump, proving restore) may take "

@@ -135,6 +135,9 @@ class LastCheckpoint(TypedDict, total=False):
     # The same for the weight dump, which reloads map only when "immutable";
     # "none: ..." when the checkpoint has no weight dump.
     weights_protection: str
+    # Node storage with publishing: where the node agent copied it on shared storage
+    # ("published to ..."), or why not ("not published, only this node has it: ...").
+    published: str
 
 
 class RestoreMemoryDoc(TypedDict):

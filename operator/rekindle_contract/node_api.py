@@ -22,6 +22,10 @@ MAX_ANSWER_BYTES = 4 << 20
 #         the images, signed by the node, into the cache under args.name
 # open    a descriptor of checkpoint args.name's verified directory (answer: fd)
 # mark_verified  record that a restore from args.name served (args.details)
+# publish copy checkpoint args.name to args.dir (a new directory in the pod, on shared
+#         storage), signed as it is, for other nodes' caches
+# pull    verify the checkpoint published at args.dir (a directory in the pod) into the
+#         cache as args.name: every byte checked against the node's signature as it is read
 # restore CRIU-restore checkpoint args.name into the caller's pod (args.mmap, .mmap_heap,
 #         .stopped); answer: pid
 # status  the node cache's entries of the caller's namespace
@@ -35,6 +39,8 @@ OPS = (
     "commit",
     "open",
     "mark_verified",
+    "publish",
+    "pull",
     "restore",
     "mapped_failed",
     "reserve_pids",

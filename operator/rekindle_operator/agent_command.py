@@ -48,6 +48,9 @@ def agent_args(spec: IsvcSpec) -> AgentArgs:
         # to know them stops with a usage error instead of serving plain HTTP.
         admin_tls_cert=admin_tls.CERT_FILE if spec.admin_tls else None,
         admin_tls_key=admin_tls.KEY_FILE if spec.admin_tls else None,
+        # The node agent's socket comes by env (builders); publishing by flag, so an
+        # agent too old to know it stops with a usage error instead of not publishing.
+        node_publish=spec.storage.publish == "pvc",
         vllm_args=list(spec.vllm_args),
     )
 

@@ -171,7 +171,7 @@ def build_pvc(spec: IsvcSpec, owner: Mapping[str, Any] | None = None) -> Obj | N
     Owned by the InferenceService (garbage-collected with it) only when
     coldStart.storage.deletionPolicy is Delete; Retain keeps the data.
     """
-    if spec.storage.type != "pvc" or spec.storage.existing_claim:
+    if not spec.storage.uses_claim() or spec.storage.existing_claim:
         return None
     pvc: Obj = {
         "apiVersion": "v1",
@@ -261,9 +261,10 @@ def storage_subpath(namespace: str, isvc: str) -> str:
 
 
 def checkpoint_volume(spec: IsvcSpec) -> Obj:
-    if spec.storage.type == "node":
+    if spec.storage.type == "node" and not spec.storage.uses_claim():
         # Scratch for the agent's part of a checkpoint (weight dump, /dev/shm copies):
-        # the node agent takes it into its cache, and restores read from there.
+        # the node agent takes it into its cache, and restores read from there. With
+        # publish pvc the claim is both the scratch and where proven checkpoints go.
         return {"name": "checkpoints", "emptyDir": {}}
     if spec.storage.type == "hostPath":
         return {
@@ -605,6 +606,7 @@ def build_cleanup_job(
     pull_policy: str = "IfNotPresent",
     sub_path: str = "",
     node: str = "",
+    written_by_node_agent: bool = False,
 ) -> Obj:
     """A Job that deletes one checkpoint's data (deletionPolicy Delete).
 
@@ -613,6 +615,9 @@ def build_cleanup_job(
     node and image are recorded in the Checkpoint's status, so this works
     after the InferenceService is gone too. A hostPath volume is a directory
     of one node: the Job runs on the node the checkpointed pod ran on.
+    written_by_node_agent: a copy the node agent published (root-owned, never
+    immutable), in a namespace that may enforce Pod Security baseline: the Job
+    runs as root, the files' owner, with no capability at all.
     """
     if not path.startswith(CHECKPOINT_MOUNT + "/") or ".." in path.split("/"):
         raise ValueError(f"refusing to delete {path!r}: not below {CHECKPOINT_MOUNT}")
@@ -632,11 +637,7 @@ def build_cleanup_job(
                 "imagePullPolicy": pull_policy,
                 # The agent's CLI clears the pages images' immutable flag, then removes.
                 "command": ["rekindle", "remove-checkpoint", path],
-                "securityContext": {
-                    "allowPrivilegeEscalation": False,
-                    "privileged": False,
-                    "capabilities": {"drop": ["ALL"], "add": ["LINUX_IMMUTABLE"]},
-                },
+                "securityContext": _cleanup_security(written_by_node_agent),
                 "volumeMounts": [mount],
             }
         ],
@@ -673,6 +674,22 @@ def build_cleanup_job(
             "activeDeadlineSeconds": 600,
             "template": {"metadata": {"labels": {COMPONENT_LABEL: "cleanup"}}, "spec": pod_spec},
         },
+    }
+
+
+def _cleanup_security(written_by_node_agent: bool) -> Obj:
+    if written_by_node_agent:
+        return {
+            "allowPrivilegeEscalation": False,
+            "privileged": False,
+            "runAsUser": 0,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        }
+    return {
+        "allowPrivilegeEscalation": False,
+        "privileged": False,
+        "capabilities": {"drop": ["ALL"], "add": ["LINUX_IMMUTABLE"]},
     }
 
 

@@ -94,7 +94,7 @@ def rwo_spread_warning(
 ) -> str | None:
     """The Warning's message when a ReadWriteOnce checkpoint claim meets pods on several nodes."""
     spread = sorted({n for n in nodes if n})
-    if spec.storage.type != "pvc" or len(spread) < 2 or "ReadWriteMany" in access_modes:
+    if not spec.storage.uses_claim() or len(spread) < 2 or "ReadWriteMany" in access_modes:
         return None
     return (
         f"checkpoint PVC {claim} is ReadWriteOnce but replicas run on nodes "

@@ -127,6 +127,7 @@ def _start(kube: Kube, body: Body, emit: Emit, agents: Agents) -> Status:
         # What deleting the data needs, even once the InferenceService is gone.
         "volume": b.checkpoint_volume(isvc_spec),
         "subPath": b.storage_subpath(ns, isvc_name),
+        "storageType": isvc_spec.storage.type,
         "node": (pod.get("spec") or {}).get("nodeName", ""),
         "image": isvc_spec.image,
         "imagePullPolicy": isvc_spec.image_pull_policy,
@@ -323,6 +324,7 @@ def delete_data(
         status.get("imagePullPolicy", "IfNotPresent"),
         sub_path=status.get("subPath", ""),
         node=status.get("node", ""),
+        written_by_node_agent=status.get("storageType") == "node",
     )
     try:
         kube.create_if_absent(job)

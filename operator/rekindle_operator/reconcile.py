@@ -146,7 +146,7 @@ def storage_warning(
     """A Warning Event (once per change) when a ReadWriteOnce checkpoint claim meets
     replicas on several nodes; status.storageWarning keeps it until that ends."""
     warning = None
-    if spec.storage.type == "pvc" and len(nodes) > 1:
+    if spec.storage.uses_claim() and len(nodes) > 1:
         claim = b.pvc_name(spec)
         modes: list[str] = [spec.storage.access_mode]
         if spec.storage.existing_claim:  # the user's claim says what it is

@@ -35,7 +35,7 @@ MANAGED_ENV = (CHECKPOINT_ENV, IMAGE_ENV, SIGNING_KEY_ENV, API_KEY_ENV, TOKEN_EN
 class Storage:
     """Where checkpoints live: a PVC the operator creates (or an existing one), or a node path."""
 
-    type: str = "pvc"  # pvc | hostPath
+    type: str = "pvc"  # pvc | hostPath | node
     size: str = "20Gi"
     storage_class: str | None = None
     # ReadWriteOnce (one node mounts it) or ReadWriteMany (replicas on several nodes).
@@ -45,6 +45,13 @@ class Storage:
     # What happens to an operator-created PVC when the InferenceService goes:
     # Delete garbage-collects it with the InferenceService, Retain keeps it.
     deletion_policy: str = "Retain"
+    # type node: where the node agent publishes proven checkpoints for other caches
+    # to pull (none: they stay in the node's cache; pvc: the claim above).
+    publish: str = "none"
+
+    def uses_claim(self) -> bool:
+        """Checkpoints (or their published copies) live on the PVC."""
+        return self.type == "pvc" or (self.type == "node" and self.publish == "pvc")
 
 
 @dataclass(frozen=True)
@@ -161,6 +168,7 @@ def parse_spec(
     st = _get(cold, "storage")
     pvc = _get(st, "pvc")
     hp = _get(st, "hostPath")
+    node_st = _get(st, "node")
     api_key = _get(spec, "apiKeySecretRef")
     admin_tls = _get(spec, "adminTLS")
 
@@ -205,6 +213,7 @@ def parse_spec(
             existing_claim=pvc.get("existingClaim"),
             host_path=str(hp.get("path", "/var/lib/rekindle/checkpoints")),
             deletion_policy=str(st.get("deletionPolicy", "Retain")),
+            publish=str(node_st.get("publish", "none")),
         ),
         restore_policy=str(cold.get("restorePolicy", "IfAvailable")),
         prefetch=bool(cold.get("prefetch", True)),
@@ -352,6 +361,15 @@ def validate(s: IsvcSpec) -> None:
         raise SpecError(
             f"spec.coldStart.storage.pvc.accessMode is {s.storage.access_mode!r}: use "
             "ReadWriteMany (replicas on several nodes) or ReadWriteOnce (one node)"
+        )
+    if s.storage.publish not in ("none", "pvc"):
+        raise SpecError(
+            f"spec.coldStart.storage.node.publish is {s.storage.publish!r}: use 'none' or 'pvc'"
+        )
+    if s.storage.publish != "none" and s.storage.type != "node":
+        raise SpecError(
+            "spec.coldStart.storage.node.publish needs spec.coldStart.storage.type: node "
+            "(the node agent publishes); with type pvc the checkpoints are on the claim already"
         )
     if s.storage.type == "hostPath" and not s.storage.host_path.startswith("/"):
         raise SpecError("spec.coldStart.storage.hostPath.path must be an absolute path")

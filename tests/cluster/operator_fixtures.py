@@ -286,6 +286,15 @@ def service_url(name: str, namespace: str) -> str:
     return f"http://{svc['spec']['clusterIP']}:{port}"
 
 
+def flip_middle(image: Path) -> None:
+    """XOR 4 KiB in the middle of image with 0xFF (doing it again undoes it)."""
+    with image.open("r+b") as f:
+        f.seek(image.stat().st_size // 2)
+        chunk = f.read(4096)
+        f.seek(-len(chunk), 1)
+        f.write(bytes(b ^ 0xFF for b in chunk))
+
+
 def data_dir(host_root: Path | str, checkpoint: dict[str, Any]) -> Path:
     """Where a Checkpoint's data lies on the node: ROOT/NAMESPACE/ISVC/NAME-UID8.
 

@@ -13,8 +13,10 @@ and must be refused.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
+import stat
 import textwrap
 import uuid
 from collections.abc import Iterator
@@ -36,6 +38,8 @@ from tests.cluster.operator_fixtures import (
     OperatorProcess,
     accepts,
     apply,
+    data_dir,
+    flip_middle,
     get,
     http_json,
     install_crds,
@@ -356,13 +360,87 @@ def _processes(ns: str, pod: str) -> list[dict[str, str]]:
     return list(json.loads(r.stdout))
 
 
+SHARED_CLAIM = "shared-checkpoints"
+
+
+@pytest.fixture(scope="module")
+def shared_storage(tenant: str) -> Iterator[Path]:
+    """Shared checkpoint storage for the tenant: a hostPath PersistentVolume bound to a
+    claim, its directory for the service writable by the pods' group (65534), as a
+    platform team sets up an NFS export (a hostPath volume has no fsGroup support)."""
+    root = Path(f"/var/lib/rekindle-cluster/shared-{tenant}")
+    (root / tenant / NAME).mkdir(parents=True)
+    for d in (root / tenant, root / tenant / NAME):
+        os.chown(d, 65534, 65534)
+        os.chmod(d, 0o770)
+    pv = f"{tenant}-shared"
+    spec = {
+        "capacity": {"storage": "20Gi"},
+        "accessModes": ["ReadWriteMany"],
+        "storageClassName": "",
+        "persistentVolumeReclaimPolicy": "Retain",
+    }
+    kubectl(
+        "apply",
+        "-f",
+        "-",
+        input=json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "PersistentVolume",
+                "metadata": {"name": pv},
+                "spec": {
+                    **spec,
+                    "hostPath": {"path": str(root), "type": "Directory"},
+                    "claimRef": {"namespace": tenant, "name": SHARED_CLAIM},
+                },
+            }
+        ),
+    )
+    claim = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": SHARED_CLAIM},
+        "spec": {
+            "accessModes": spec["accessModes"],
+            "storageClassName": "",
+            "volumeName": pv,
+            "resources": {"requests": spec["capacity"]},
+        },
+    }
+    assert apply(claim, tenant).returncode == 0
+    try:
+        yield root
+    finally:
+        kubectl("delete", "pv", pv, "--wait=false", check=False)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _restart(ns: str, origin: str) -> dict[str, Any]:
+    """Scale to zero and back to one; the new replica Ready with origin."""
+    kubectl("scale", f"rkis/{NAME}", "-n", ns, "--replicas=0")
+    wait_until("no pods left", lambda: not pods_of(NAME, ns), 180)
+    kubectl("scale", f"rkis/{NAME}", "-n", ns, "--replicas=1")
+    return _ready(ns, origin)
+
+
+def _evict(node_agent: str) -> None:
+    """What the node cache's budget does to an entry no replica pins (or a reboot)."""
+    for entry in (_state_dir(node_agent) / "cache" / "entries").iterdir():
+        shutil.rmtree(entry)
+
+
 def test_a_node_mode_service_boots_checkpoints_and_restores_unprivileged(
-    tenant: str, node_agent: str
+    tenant: str, node_agent: str, shared_storage: Path
 ) -> None:
     ns = tenant
     require_runtime_image()
     doc = isvc_manifest(NAME, "/unused", example="tiny-cpu.yaml")
-    doc["spec"]["coldStart"]["storage"] = {"type": "node"}
+    doc["spec"]["coldStart"]["storage"] = {
+        "type": "node",
+        "node": {"publish": "pvc"},
+        "pvc": {"existingClaim": SHARED_CLAIM},
+    }
     r = apply(doc, ns)
     assert r.returncode == 0, r.stderr
     _ready(ns, "booted")
@@ -395,11 +473,15 @@ def test_a_node_mode_service_boots_checkpoints_and_restores_unprivileged(
     )
     assert done["status"]["phase"] == "Ready", done["status"]
     assert done["status"]["verified"] is True
+    # Published once proven: root's files on the shared claim, the manifest the node signed.
+    copy = data_dir(shared_storage, done)
+    manifest = json.loads((copy / "manifest.json").read_bytes())
+    assert manifest["identity"]["namespace"] == ns and "signature" in manifest
+    assert manifest.get("verified"), "published before it was proven"
+    pages = max(copy.rglob("pages-*.img"), key=lambda p: p.stat().st_size)
+    assert (pages.stat().st_uid, stat.S_IMODE(pages.stat().st_mode)) == (0, 0o444)
 
-    kubectl("scale", f"rkis/{NAME}", "-n", ns, "--replicas=0")
-    wait_until("no pods left", lambda: not pods_of(NAME, ns), 180)
-    kubectl("scale", f"rkis/{NAME}", "-n", ns, "--replicas=1")
-    obj = _ready(ns, "restored")
+    obj = _restart(ns, "restored")
     assert obj["status"]["pods"][0]["memory"] == "mmap", obj["status"]["pods"]
     wait_until("the Service to accept connections", lambda: accepts(url), 60)
     assert _completions(url) == before
@@ -426,22 +508,50 @@ def test_a_node_mode_service_boots_checkpoints_and_restores_unprivileged(
     wait_until("the Service to accept connections", lambda: accepts(url), 60)
     assert _completions(url) == before
 
-    # The node agent no longer holds it (evicted, or made on another node): a new pod
-    # boots normally and says why.
-    entries = _state_dir(node_agent) / "cache" / "entries"
-    for entry in entries.iterdir():
-        shutil.rmtree(entry)
-    kubectl("scale", f"rkis/{NAME}", "-n", ns, "--replicas=0")
-    wait_until("no pods left", lambda: not pods_of(NAME, ns), 180)
-    kubectl("scale", f"rkis/{NAME}", "-n", ns, "--replicas=1")
-    obj = _ready(ns, "booted")
+    # Whoever mounts the shared claim changes the published copy after the node agent
+    # verified it: a file rewritten, and images/ swapped for a link to a copy of itself.
+    flip_middle(pages)
+    images = copy / "images"
+    images.rename(copy / "images.real")
+    images.symlink_to("images.real")
+    # The node's verified copy is what runs: the same answers.
+    _restart(ns, "restored")
+    wait_until("the Service to accept connections", lambda: accepts(url), 60)
+    assert _completions(url) == before
+    # Not in the cache any more: the pull checks every byte and refuses; a normal boot.
+    _evict(node_agent)
+    obj = _restart(ns, "booted")
+    reason = obj["status"]["pods"][0]["reason"]
+    assert reason.startswith("checksum_mismatch: "), reason
+    assert "links are not followed" in reason or "digest does not match" in reason, reason
+    assert not list((_state_dir(node_agent) / "cache" / "entries").iterdir())
+    wait_until("the Service to accept connections", lambda: accepts(url), 60)
+    assert _completions(url) == before
+    # Put back as published: pulled into the cache, verified, and restored from there.
+    images.unlink()
+    (copy / "images.real").rename(images)
+    flip_middle(pages)
+    _restart(ns, "restored")
+    (entry,) = (_state_dir(node_agent) / "cache" / "entries").iterdir()
+    record = json.loads((entry / ".entry.json").read_bytes())
+    assert record["source"] == f"pod:{done['status']['path']}", record
+    wait_until("the Service to accept connections", lambda: accepts(url), 60)
+    assert _completions(url) == before
+
+    # Neither in the cache nor published: a new pod boots normally and says why.
+    _evict(node_agent)
+    copy.rename(copy.with_name(copy.name + ".away"))
+    obj = _restart(ns, "booted")
     reason = obj["status"]["pods"][0]["reason"]
     assert reason.startswith("no_checkpoint: "), reason
     assert "is not in this node's cache" in reason, reason
     wait_until("the Service to accept connections", lambda: accepts(url), 60)
     assert _completions(url) == before
-    # Deleting its Checkpoint removes nothing (nothing of it is on a volume): done at once.
-    kubectl("delete", "rkcp", "first", "-n", ns, "--timeout=60s")
+    # Deleting the Checkpoint removes its published copy (a Job with no capability, which
+    # the baseline namespace admits).
+    copy.with_name(copy.name + ".away").rename(copy)
+    kubectl("delete", "rkcp", "first", "-n", ns, "--timeout=120s")
+    wait_until("the cleanup Job to remove the published copy", lambda: not copy.exists(), 180)
 
 
 def _state_dir(agent_ns: str) -> Path:

@@ -78,6 +78,10 @@ def test_negative_replicas_refused(namespace: str) -> None:
             {"coldStart": {"storage": {"type": "hostPath", "hostPath": {"path": "rel"}}}},
             "must be an absolute path",
         ),
+        (
+            {"coldStart": {"storage": {"type": "pvc", "node": {"publish": "pvc"}}}},
+            "node.publish needs spec.coldStart.storage.type: node",
+        ),
         ({"runtime": {"device": "tpu"}}, "supported values"),
         ({"adminTLS": {"serverName": "tiny.ns.svc"}}, "spec.adminTLS.secretName: Required"),
         ({"adminTLS": {"secretName": "Not_A_Name"}}, "spec.adminTLS.secretName"),

@@ -49,6 +49,7 @@ from tests.cluster.operator_fixtures import (
     accepts,
     apply,
     data_dir,
+    flip_middle,
     get,
     host_dir,
     http_json,
@@ -386,15 +387,6 @@ def in_use(ns: str) -> dict[str, Any]:
     ck = get("rkcp", obj["status"]["checkpoint"], ns)
     assert ck is not None and ck["status"]["phase"] == "Ready", ck
     return ck
-
-
-def flip_middle(image: Path) -> None:
-    """XOR 4 KiB in the middle of image with 0xFF (doing it again undoes it)."""
-    with image.open("r+b") as f:
-        f.seek(image.stat().st_size // 2)
-        chunk = f.read(4096)
-        f.seek(-len(chunk), 1)
-        f.write(bytes(b ^ 0xFF for b in chunk))
 
 
 def test_corrupted_checkpoint_boots_normally_and_says_why(

@@ -90,6 +90,7 @@ def test_every_setting_round_trips_through_agent_argv(monkeypatch: pytest.Monkey
         signing_key_file="/secrets/signing-key",
         node_socket="/run/rekindle-node/node.sock",
         pod_uid="0d5a6c7e-1111-4a3b-9c2d-0123456789ab",
+        node_publish=True,
         dump_timeout=45.0,
         checkpoint_timeout=120.0,
         prefetch_timeout=33.0,
@@ -145,6 +146,7 @@ def test_operator_like_argv_with_unexpanded_checkpoint_var() -> None:
         (["--model", "/m", "--vllm-port", "0"], "--vllm-port 0"),
         (["--model", "/m", "--run-dir", "rel"], "absolute"),
         (["--model", "/m", "--drain-timeout", "0"], "drain-timeout"),
+        (["--model", "/m", "--node-publish"], "--node-publish needs --node-socket"),
     ],
 )
 def test_bad_settings_say_what_to_change(argv: list[str], needle: str) -> None:

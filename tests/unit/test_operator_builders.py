@@ -378,6 +378,54 @@ def test_node_mode_pods_need_no_privilege() -> None:
     assert container(deployment(tiny()))["securityContext"]["privileged"] is True
 
 
+def test_node_mode_publishing_puts_the_claim_where_the_scratch_was() -> None:
+    """publish pvc: the claim (made like type pvc's) is the checkpoint volume, the agent is
+    told to publish, and the pods stay unprivileged with no hostPath."""
+    s = tiny(
+        coldStart={"storage": {"type": "node", "node": {"publish": "pvc"}, "pvc": {"size": "5Gi"}}}
+    )
+    dep = deployment(s)
+    pod = dep["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["checkpoints"] == {
+        "name": "checkpoints",
+        "persistentVolumeClaim": {"claimName": "tiny-checkpoints"},
+    }
+    pvc = b.build_pvc(s)
+    assert pvc is not None and pvc["spec"]["resources"]["requests"]["storage"] == "5Gi"
+    assert "--node-publish" in container(dep)["command"]
+    assert container(dep)["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert not [v for v in pod["volumes"] if "hostPath" in v]
+    # Without publishing: no claim, no flag.
+    plain = tiny(coldStart={"storage": {"type": "node"}})
+    assert b.build_pvc(plain) is None
+    argv = container(deployment(plain))["command"]
+    assert "--node-publish" not in argv
+
+
+def test_cleanup_of_a_node_agents_copy_needs_no_capability() -> None:
+    """What the node agent published is root-owned and never immutable: the Job removes
+    it as root with every capability dropped (Pod Security baseline admits it)."""
+    s = tiny(coldStart={"storage": {"type": "node", "node": {"publish": "pvc"}}})
+    job = b.build_cleanup_job(
+        "ns",
+        "c1",
+        "u1",
+        f"{CHECKPOINT_MOUNT}/c1-u1",
+        b.checkpoint_volume(s),
+        s.image,
+        written_by_node_agent=True,
+    )
+    sc = job["spec"]["template"]["spec"]["containers"][0]["securityContext"]
+    assert sc["capabilities"] == {"drop": ["ALL"]} and sc["runAsUser"] == 0
+    assert sc["allowPrivilegeEscalation"] is False and sc["privileged"] is False
+    agents = b.build_cleanup_job(
+        "ns", "c1", "u1", f"{CHECKPOINT_MOUNT}/c1-u1", b.checkpoint_volume(tiny()), s.image
+    )
+    sc = agents["spec"]["template"]["spec"]["containers"][0]["securityContext"]
+    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["LINUX_IMMUTABLE"]}
+
+
 def test_workers_bind_loopback_so_a_new_pod_ip_does_not_break_restore() -> None:
     env = {e["name"]: e.get("value") for e in container(deployment(tiny()))["env"]}
     assert env["GLOO_SOCKET_IFNAME"] == "lo" and env["VLLM_HOST_IP"] == "127.0.0.1"

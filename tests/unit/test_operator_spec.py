@@ -45,6 +45,11 @@ def test_restart_annotation_is_carried() -> None:
         ({"coldStart": {"storage": {"type": "nfs"}}}, "'pvc', 'hostPath' or 'node'"),
         ({"coldStart": {"storage": {"type": "hostPath", "hostPath": {"path": "rel"}}}}, "absolute"),
         ({"coldStart": {"restorePolicy": "Always"}}, "IfAvailable or Never"),
+        (
+            {"coldStart": {"storage": {"type": "node", "node": {"publish": "s3"}}}},
+            "'none' or 'pvc'",
+        ),
+        ({"coldStart": {"storage": {"node": {"publish": "pvc"}}}}, "type: node"),
         ({"multimodal": {"cacheSize": "lots"}}, "quantity"),
         ({"resources": {"gpu": {"count": 1}}}, "device is cpu"),
         ({"env": [{"name": "A", "value": "1", "valueFrom": {}}]}, "both value and valueFrom"),

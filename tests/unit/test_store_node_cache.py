@@ -14,7 +14,7 @@ from typing import Any, cast
 
 import pytest
 from rekindle_contract.manifest import MANIFEST_FORMAT, MANIFEST_NAME, Manifest
-from rekindle_store import manifest_io, node_cache, verified_copy
+from rekindle_store import manifest_io, node_cache, published, verified_copy
 from rekindle_store.node_cache import NodeCache
 from rekindle_store.verified_copy import CopyError
 
@@ -254,3 +254,71 @@ def test_a_checkpoint_marked_copy_only_says_why(tmp_path: Path, cache: NodeCache
     assert cache.copy_only(v.entry) == "a replica died after a mapped restore: SIGBUS"
     again = NodeCache(cache.root, budget_bytes=cache.budget)  # a restarted node agent
     assert again.copy_only(v.entry) == "a replica died after a mapped restore: SIGBUS"
+
+
+def _dir_fd(path: Path) -> int:
+    return os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+
+
+def test_a_published_entry_comes_back_by_descriptor_with_the_same_content(
+    tmp_path: Path, cache: NodeCache
+) -> None:
+    """publish() writes an entry out whole (holes kept, bookkeeping left behind); a cache
+    that lacks it takes it back through a descriptor, checked like any source."""
+    v = cache.get(publish(tmp_path / "pub"), KEY)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    parent = _dir_fd(shared)
+    try:
+        done = published.publish(v.path, parent, "ckpt-1", str(shared))
+        with pytest.raises(CopyError, match="published once"):
+            published.publish(v.path, parent, "ckpt-1", str(shared))
+    finally:
+        os.close(parent)
+    out = shared / "ckpt-1"
+    assert done.files == 4 and done.bytes == v.bytes + len((v.path / MANIFEST_NAME).read_bytes())
+    assert not (out / node_cache.ENTRY_RECORD).exists()
+    assert [p.name for p in shared.iterdir()] == ["ckpt-1"]  # no partial directory left
+    assert stat.S_IMODE((out / "images" / "pages-1.img").stat().st_mode) == 0o444
+
+    other = NodeCache(tmp_path / "other", budget_bytes=8 << 20)
+    src = _dir_fd(out)
+    try:
+        back = other.get(src, KEY, where="pod:/ckpt-1")
+    finally:
+        os.close(src)
+    assert back.copied is True and back.entry == v.entry
+    assert (back.path / "images" / "pages-1.img").read_bytes() == PAGES
+    assert other.report()[0].source == "pod:/ckpt-1"
+
+
+def test_a_tampered_published_copy_is_refused_on_the_way_back(
+    tmp_path: Path, cache: NodeCache
+) -> None:
+    """Shared storage is writable by whoever mounts it: a changed file, or a directory
+    swapped for a link to an identical copy, fails the pull."""
+    v = cache.get(publish(tmp_path / "pub"), KEY)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    parent = _dir_fd(shared)
+    try:
+        published.publish(v.path, parent, "a", str(shared))
+        published.publish(v.path, parent, "b", str(shared))
+    finally:
+        os.close(parent)
+    page = shared / "a" / "images" / "pages-1.img"
+    os.chmod(page, 0o644)
+    page.write_bytes(b"\xcc" * len(PAGES))
+    images = shared / "b" / "images"
+    images.rename(shared / "b-images")
+    images.symlink_to(shared / "b-images")
+    for name, why in (("a", "digest does not match"), ("b", "links are not followed")):
+        fresh = NodeCache(tmp_path / f"fresh-{name}", budget_bytes=8 << 20)
+        src = _dir_fd(shared / name)
+        try:
+            with pytest.raises(CopyError, match=why) as e:
+                fresh.get(src, KEY, where=f"pod:/{name}")
+        finally:
+            os.close(src)
+        assert e.value.reason == "checksum_mismatch"
+        assert fresh.names() == []

@@ -90,7 +90,9 @@ class Agent:
                 "(anyone who can write the checkpoint volume decides what is restored)"
             )
         self.backend: CriuBackend = (
-            NodeAgent(cfg.node_socket, cfg.pod_uid or "") if cfg.node_socket else InPod(cfg.criu)
+            NodeAgent(cfg.node_socket, cfg.pod_uid or "", cfg.node_publish)
+            if cfg.node_socket
+            else InPod(cfg.criu)
         )
         if not self.backend.agent_signs:
             # The node agent signs with its own key and verifies into its cache; the
@@ -282,6 +284,8 @@ class Agent:
             else:
                 self.set_state("Failed", f"restore from {ckpt} failed: {e}")
             return False
+        if self.backend.pulled is not None:  # verified from shared storage first
+            phases = {"pull": self.backend.pulled, **phases}
         self.status.timings["restore"] = phases
         log.info("restore phases (s): %s", {k: round(v, 3) for k, v in phases.items()})
         self.metrics.observe_phases(self.metrics.restore_phase_seconds, phases)
@@ -510,6 +514,8 @@ class Agent:
             "images_protection": protection,
             "weights_protection": weights_protection,
         }
+        if self.backend.published is not None:
+            self.status.last_checkpoint["published"] = self.backend.published
         self.set_state("Ready", f"restored from {ckpt}")  # only now: the proof is recorded
         return man
 

@@ -91,6 +91,10 @@ class AgentConfig(AgentArgs):
                 "--node-socket needs --pod-uid (or REKINDLE_POD_UID from the downward API): "
                 "the node agent answers a pod only about itself"
             )
+        if self.node_publish and not self.node_socket:
+            raise ConfigError(
+                "--node-publish needs --node-socket: the node agent publishes and pulls"
+            )
         if self.signing_key_file and self.verify_checksums not in SECURE_VERIFY:
             raise ConfigError(
                 f"--verify-checksums {self.verify_checksums} with --signing-key-file: a signed "

@@ -3,7 +3,9 @@
 InPod     the agent runs CRIU itself (a privileged pod); a checkpoint is a directory
           on the pod's checkpoint volume, written, signed and read by the agent.
 NodeAgent the node agent runs CRIU (the pod is unprivileged); a checkpoint lives in
-          the node agent's verified cache, named by the path the operator gave it.
+          the node agent's verified cache, named by the path the operator gave it,
+          and (publish) is copied to that path on shared storage once proven, from
+          where a node whose cache lacks it pulls it back, verifying every byte.
           The agent saves what only it can (the weight dump, /dev/shm files) into a
           scratch directory, the node agent takes those in with the images and
           signs them; a restore reads the verified copy through a descriptor the
@@ -67,6 +69,10 @@ class CriuBackend:
     verified_content = False
     #: set by restore() when memory was copied although mapping was asked for: why
     copied: str | None = None
+    #: set by readable(): seconds spent pulling the checkpoint from shared storage first
+    pulled: float | None = None
+    #: set by mark_verified(): where the proven checkpoint was published, in words
+    published: str | None = None
 
     def dump(
         self,
@@ -213,9 +219,12 @@ class NodeAgent(CriuBackend):
     privileged = False
     verified_content = True
 
-    def __init__(self, socket: str, pod_uid: str) -> None:
+    def __init__(self, socket: str, pod_uid: str, publish: bool = False) -> None:
         self.socket = socket
         self.pod_uid = pod_uid
+        # The checkpoint volume is shared storage: proven checkpoints are published
+        # there, and one missing from the node's cache is pulled back from there.
+        self.publish = publish
         self._open: dict[str, int] = {}  # checkpoint name -> directory descriptor
 
     def _call(self, op: str, args: dict[str, Any], timeout: float = 600.0) -> dict[str, Any]:
@@ -266,10 +275,29 @@ class NodeAgent(CriuBackend):
         old = self._open.pop(str(ckpt), None)
         if old is not None:
             os.close(old)
-        answer = self._call("open", {"name": str(ckpt)}, timeout=60)
+        self.pulled = None
+        try:
+            answer = self._call("open", {"name": str(ckpt)}, timeout=60)
+        except BackendError as e:
+            if e.reason != "no_checkpoint" or not self.publish or not ckpt.is_dir():
+                raise
+            self._pull(ckpt)
+            answer = self._call("open", {"name": str(ckpt)}, timeout=60)
         fd = int(answer["_fd"])
         self._open[str(ckpt)] = fd
         return Path(f"/proc/{os.getpid()}/fd/{fd}")
+
+    def _pull(self, ckpt: Path) -> None:
+        """Have the node agent verify the published copy at ckpt into its cache."""
+        t0 = time.monotonic()
+        answer = self._call("pull", {"name": str(ckpt), "dir": str(ckpt)})
+        self.pulled = time.monotonic() - t0
+        log.info(
+            "node agent pulled %s from shared storage: %s bytes verified in %.2f s",
+            ckpt,
+            answer.get("bytes"),
+            self.pulled,
+        )
 
     def where(self, ckpt: str | None) -> str | None:
         fd = self._open.get(ckpt or "")
@@ -301,6 +329,18 @@ class NodeAgent(CriuBackend):
         self, ckpt: Path, man: Manifest, details: dict[str, Any], key: bytes | None
     ) -> None:
         self._call("mark_verified", {"name": str(ckpt), "details": details}, timeout=60)
+        if self.publish:
+            self.published = self._publish(ckpt)
+
+    def _publish(self, ckpt: Path) -> str:
+        """Copy the proven checkpoint to shared storage; a failure leaves it on this node
+        only (it still restores here), and says so."""
+        try:
+            answer = self._call("publish", {"name": str(ckpt), "dir": str(ckpt)})
+        except BackendError as e:
+            log.warning("checkpoint %s not published (only this node has it): %s", ckpt, e)
+            return f"not published, only this node has it: {e}"
+        return f"published to {ckpt} ({answer.get('bytes')} bytes, {answer.get('seconds'):.1f} s)"
 
     def reserve_pids(self, floor: int) -> None:
         try:

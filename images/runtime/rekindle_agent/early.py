@@ -60,8 +60,11 @@ class EarlyStart:
     def begin(self, cfg: AgentConfig) -> None:
         """Start prefetching cfg's checkpoint (if it will be restored), probing its CRIU and
         fingerprinting this environment."""
-        if cfg.checkpoint and cfg.restore_policy != "never" and cfg.prefetch:
-            self._start_prefetch(Path(cfg.checkpoint), cfg)
+        # Through the node agent, a restore reads the node's verified copy, not the path
+        # (at most a published copy there, which only the node agent may read in).
+        restoring = cfg.checkpoint and cfg.restore_policy != "never"
+        if restoring and cfg.prefetch and not cfg.node_socket:
+            self._start_prefetch(Path(cfg.checkpoint or ""), cfg)
         with self._lock:
             if cfg.criu not in self._probes:
                 self._probes[cfg.criu] = _in_background("criu-probe", criu.probe, cfg.criu)

@@ -29,7 +29,7 @@ from rekindle_contract.manifest import (
     FileEntry,
     Manifest,
 )
-from rekindle_store import manifest_io, verified_copy
+from rekindle_store import manifest_io, published, verified_copy
 from rekindle_store.node_cache import NodeCache, VerifiedCheckpoint
 
 from rekindle_node import criu_run, identity
@@ -97,6 +97,8 @@ class Operations:
             "commit": self.commit,
             "open": self.open,
             "mark_verified": self.mark_verified,
+            "publish": self.publish,
+            "pull": self.pull,
             "restore": self.restore,
             "mapped_failed": self.mapped_failed,
             "reserve_pids": self.reserve_pids,
@@ -194,12 +196,7 @@ class Operations:
         """Copy the caller's directory src (a path in its pod) into stage, hashing."""
         if not src.startswith("/"):
             raise ValueError("dir: an absolute path in the pod")
-        pod_init = identity.namespace_init(caller.pid)
-        root = os.open(f"/proc/{pod_init}/root", os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            src_fd = verified_copy.open_dir_below(root, src, "pod:")
-        finally:
-            os.close(root)
+        src_fd = self._pod_dir(caller, src)
         try:
             taken = verified_copy.take_tree(src_fd, stage, f"pod:{src}")
         finally:
@@ -234,6 +231,60 @@ class Operations:
         entry = self._entry(caller, req)
         self.cache.mark_verified(entry.entry, _dict_arg(req, "details"), self.key)
         return {"checkpoint": entry.entry}
+
+    def publish(self, caller: Caller, req: Request) -> dict[str, Any]:
+        """Copy checkpoint args.name to args.dir in the caller's pod (its shared checkpoint
+        volume): a new directory, written by root, the manifest signed as it is.
+
+        What is published is for transport only: it comes back into a cache (this
+        node's after an eviction or a reboot, later another node's) through pull.
+        """
+        entry = self._entry(caller, req)
+        parent, base = _pod_dir_arg(req)
+        parent_fd = self._pod_dir(caller, parent)
+        try:
+            done = published.publish(entry.path, parent_fd, base, f"pod:{parent}")
+        finally:
+            os.close(parent_fd)
+        return {"checkpoint": entry.entry, "bytes": done.bytes, "seconds": done.seconds}
+
+    def pull(self, caller: Caller, req: Request) -> dict[str, Any]:
+        """Verify the checkpoint published at args.dir (in the caller's pod) into the cache
+        under args.name. The manifest must be signed by this node's key and name this
+        namespace and args.name (an older checkpoint, or another namespace's, is refused)."""
+        name = _name_arg(req)
+        src = req.args.get("dir")
+        if not isinstance(src, str) or not src.startswith("/"):
+            raise ValueError("dir: an absolute path in the pod")
+        src_fd = self._pod_dir(caller, src)
+        try:
+            entry = self.cache.get(src_fd, self.key, where=f"pod:{src}")
+        finally:
+            os.close(src_fd)
+        ns = caller.container.namespace
+        made = entry.manifest.get("identity", {})
+        if made.get("namespace") != ns or made.get("name") != name:
+            raise Refused(
+                f"{src} holds checkpoint {made.get('name')!r} of namespace "
+                f"{made.get('namespace')!r}, not {name!r} of {ns!r}"
+            )
+        self.cache.name(ns, name, entry.entry)
+        return {
+            "checkpoint": entry.entry,
+            "bytes": entry.bytes,
+            "seconds": entry.seconds,
+            "copied": entry.copied,
+        }
+
+    def _pod_dir(self, caller: Caller, path: str) -> int:
+        """A descriptor of directory path in the caller's pod, no link followed on the way."""
+        root = os.open(
+            f"/proc/{identity.namespace_init(caller.pid)}/root", os.O_RDONLY | os.O_DIRECTORY
+        )
+        try:
+            return verified_copy.open_dir_below(root, path, "pod:")
+        finally:
+            os.close(root)
 
     def restore(self, caller: Caller, req: Request) -> dict[str, Any]:
         """CRIU-restore checkpoint args.name into the caller's pod; its root pid there."""
@@ -372,6 +423,15 @@ def _name_arg(req: Request) -> str:
     if not isinstance(name, str) or not name or len(name) > 512 or "\0" in name:
         raise ValueError("name: the checkpoint's name (a non-empty string, at most 512 bytes)")
     return name
+
+
+def _pod_dir_arg(req: Request) -> tuple[str, str]:
+    """args.dir split into its parent and its last component."""
+    path = req.args.get("dir")
+    if not isinstance(path, str) or not path.startswith("/") or path.rstrip("/") == "":
+        raise ValueError("dir: an absolute path in the pod, below a directory")
+    parent, _, base = path.rstrip("/").rpartition("/")
+    return parent or "/", base
 
 
 def _bool_arg(req: Request, name: str) -> bool:

@@ -148,7 +148,13 @@ class RequestServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
         except OperationError as e:
             return {"ok": False, "error": e.reason, "message": str(e)}
         except (ValueError, OSError) as e:
-            return {"ok": False, "error": "bad_request", "message": str(e)}
+            # A store's CopyError carries its own reason (checksum_mismatch, cache_full, ...).
+            reason = getattr(e, "reason", None)
+            return {
+                "ok": False,
+                "error": reason if isinstance(reason, str) else "bad_request",
+                "message": str(e),
+            }
 
 
 def _read_line(conn: socket.socket) -> bytes:

@@ -98,15 +98,23 @@ class NodeCache:
         self.staging.mkdir(mode=0o700)
 
     def get(
-        self, source: Path, key: bytes | None, run_dir: str | None = None, threads: int = 4
+        self,
+        source: Path | int,
+        key: bytes | None,
+        run_dir: str | None = None,
+        threads: int = 4,
+        where: str = "",
     ) -> VerifiedCheckpoint:
         """The verified copy of the checkpoint published at source: cached, or copied now.
 
-        Raises CopyError when the source fails a check or the budget cannot hold it.
+        source: a path, or a directory descriptor opened without following links
+        (where names it). Raises CopyError when the source fails a check or the
+        budget cannot hold it.
         """
-        dir_fd = verified_copy.open_dir(source)
+        where = where or str(source)
+        dir_fd = os.dup(source) if isinstance(source, int) else verified_copy.open_dir(source)
         try:
-            manifest, raw = verified_copy.read_manifest(dir_fd, str(source), key, run_dir)
+            manifest, raw = verified_copy.read_manifest(dir_fd, where, key, run_dir)
         finally:
             os.close(dir_fd)
         name = entry_name(raw)
@@ -119,13 +127,15 @@ class NodeCache:
             stage = Path(tempfile.mkdtemp(prefix=name + ".", dir=self.staging))
             os.rmdir(stage)
             try:
-                result = verified_copy.copy_verified(source, stage, key, run_dir, threads)
+                result = verified_copy.copy_verified(
+                    source, stage, key, run_dir, threads, where=where
+                )
                 if entry_name(result.manifest_bytes) != name:
                     raise CopyError(
-                        "checksum_mismatch", f"{source}: the manifest changed while it was copied"
+                        "checksum_mismatch", f"{where}: the manifest changed while it was copied"
                     )
                 record = {
-                    "source": str(source),
+                    "source": where,
                     "boot_id": boot_id(),
                     "verified_at": time.time(),
                     "bytes": result.bytes,

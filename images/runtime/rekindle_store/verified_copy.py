@@ -199,6 +199,15 @@ def _copy_hashed(src: int, out: int, update: Callable[[memoryview], object]) -> 
     return pos
 
 
+def copy_sparse(src: int, out: int) -> int:
+    """Copy src to out keeping holes, hashing nothing (a copy of bytes already checked)."""
+    return _copy_hashed(src, out, _ignore)
+
+
+def _ignore(_chunk: memoryview) -> None:
+    return None
+
+
 def _next_data(fd: int, pos: int, size: int) -> int:
     """The offset of the next data at or after pos (size: none, only a hole is left)."""
     if pos >= size:
@@ -222,22 +231,25 @@ def _hash_zeroes(n: int, update: Callable[[memoryview], object]) -> None:
 
 
 def copy_verified(
-    source: Path,
+    source: Path | int,
     staging: Path,
     key: bytes | None,
     run_dir: str | None = None,
     threads: int = 4,
+    where: str = "",
 ) -> CopyResult:
     """Copy the checkpoint at source into staging (created, must not exist), checked.
 
-    Raises CopyError (staging is then left for the caller to remove). With a key
-    the manifest must be signed by it; every listed file must match its size and
-    digest as it is read. The copy's files are read-only, its manifest is the
-    exact bytes that were checked.
+    source: a path, or a directory descriptor opened without following links
+    (open_dir_below: a pod's volume seen from outside the pod); where names it
+    in errors. Raises CopyError (staging is then left for the caller to
+    remove). With a key the manifest must be signed by it; every listed file
+    must match its size and digest as it is read. The copy's files are
+    read-only, its manifest is the exact bytes that were checked.
     """
     t0 = time.monotonic()
-    where = str(source)
-    dir_fd = open_dir(source)
+    where = where or str(source)
+    dir_fd = os.dup(source) if isinstance(source, int) else open_dir(source)
     try:
         manifest, raw = read_manifest(dir_fd, where, key, run_dir)
         staging.mkdir(mode=0o700)

@@ -105,6 +105,10 @@ def test_write_read_and_verified_marker(tmp_path: Path) -> None:
         ({"format": 99}, "format"),
         ({"files": [{"path": "../../etc/passwd", "size": 1, "sha256": "x"}]}, "escapes"),
         ({"files": "nope"}, "list"),
+        (
+            {"files": [{"path": "shm/a", "size": 1, "sha256": "x"}] * 2},
+            "'shm/a' is listed twice",
+        ),
         ({"vllm": {}}, "root_pid"),
     ],
 )

@@ -159,7 +159,8 @@ class Operations:
             src = req.args.get("dir")
             if src is not None:
                 files = self._take(caller, str(src), pending.stage)
-            images = manifest_io.list_files(pending.stage)
+            taken = {f["path"] for f in files}  # hashed as they were copied in
+            images = [p for p in manifest_io.list_files(pending.stage) if p not in taken]
             files = manifest_io.checksum_files(pending.stage, images, threads=4) + files
             man = cast(
                 Manifest,

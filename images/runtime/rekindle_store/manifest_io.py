@@ -186,10 +186,14 @@ def validate(data: Any) -> list[str]:
     ):
         out.append("'files' must be a list of {path, size, blake3 or sha256}")
     else:
+        seen: set[str] = set()
         for f in files:
             problem = relpath_problem(f["path"])
             if problem:
                 out.append(f"file path {f['path']!r} {problem}")
+            if f["path"] in seen:  # two digests for one file: which one holds?
+                out.append(f"file path {f['path']!r} is listed twice")
+            seen.add(str(f["path"]))
             if not isinstance(f["size"], int) or isinstance(f["size"], bool) or f["size"] < 0:
                 out.append(f"file {f['path']!r}: size {f['size']!r} is not a byte count")
     vllm = data.get("vllm", {})

@@ -79,7 +79,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     flag so pytest (and anyone) can delete its temporary directories later."""
     if os.geteuid() != 0:
         return
-    from rekindle_agent.immutable import set_immutable
+    from rekindle_agent.mapped_files.immutable import set_immutable
 
     base = session.config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined]
     protected = [*Path(base).rglob("pages-*.img"), *Path(base).rglob("weights-rank*")]

@@ -1,6 +1,6 @@
 """A checkpoint directory: its layout and manifest.json, as both sides read them.
 
-The agent writes it (rekindle_agent.manifest_io); the operator reads the
+The agent writes it (rekindle_store.manifest_io); the operator reads the
 summary it records in a Checkpoint's status.
 """
 
@@ -45,7 +45,7 @@ class Manifest(TypedDict, total=False):
     extra_files: list[dict[str, Any]]  # absolute path -> saved copy under files/
     criu: dict[str, Any]  # binary, version, dump flags
     # The dumped tree's facts that decide whether a restore may map the images
-    # (rekindle_agent.mmap_policy.tree_facts): allocators, userfaultfd, VMAs, sysctls.
+    # (rekindle_agent.mapped_files.mmap_policy.tree_facts): allocators, userfaultfd, VMAs, sysctls.
     mmap: dict[str, Any]
     files: list[FileEntry]
     timings: dict[str, float]  # seconds per checkpoint phase

@@ -1,12 +1,12 @@
 """Methods of Rekindle's vLLM worker extension, called over vLLM's /collective_rpc.
 
-The agent calls them; rekindle_agent.vllm_extension implements them inside
+The agent calls them; rekindle_agent.worker.vllm_extension implements them inside
 every vLLM worker. vLLM passes the class path to each worker process.
 """
 
 from __future__ import annotations
 
-WORKER_EXTENSION = "rekindle_agent.vllm_extension.RekindleWorkerExtension"
+WORKER_EXTENSION = "rekindle_agent.worker.vllm_extension.RekindleWorkerExtension"
 
 DUMP_WEIGHTS = "rekindle_dump_weights"  # (dir) -> the flat weight dump, once
 RELEASE_WEIGHTS = "rekindle_release_weights"  # () -> weights and KV cache freed (CPU)

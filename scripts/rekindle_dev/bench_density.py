@@ -431,7 +431,7 @@ def warm_checkpoint(ckpt: Path) -> None:
 def checkpoint_residency(ckpt: Path) -> float | None:
     """Percent of the checkpoint in the page cache now (None, logged, if asking fails):
     proves a row's cold or warm label."""
-    from rekindle_agent import residency
+    from rekindle_agent.restoring import residency
 
     try:
         return float(residency.residency(ckpt)["percent"])
@@ -777,7 +777,7 @@ def run(args: argparse.Namespace) -> int:
     criu = {"stock": prefix / "stock" / "criu", "mmap": prefix / "patched" / "criu"}
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    from rekindle_agent.immutable import remove_tree
+    from rekindle_agent.mapped_files.immutable import remove_tree
 
     if args.model:
         model = Path(args.model)

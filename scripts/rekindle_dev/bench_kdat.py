@@ -30,10 +30,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rekindle_agent import criu as criu_mod
-from rekindle_agent import kdat_cache
-from rekindle_agent.early import KDAT_CACHE_ENV
-from rekindle_agent.immutable import remove_tree
+from rekindle_agent.checkpointing import criu as criu_mod
+from rekindle_agent.mapped_files.immutable import remove_tree
+from rekindle_agent.restoring import kdat_cache
+from rekindle_agent.restoring.early import KDAT_CACHE_ENV
 
 from rekindle_dev.bench_common import provenance
 from rekindle_dev.bench_provenance import MEASURED_BY, provenance_line

@@ -30,7 +30,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from rekindle_agent.immutable import remove_tree
+from rekindle_agent.mapped_files.immutable import remove_tree
 from rekindle_contract.manifest import WEIGHTS_SUBDIR
 
 from rekindle_dev import plain_criu

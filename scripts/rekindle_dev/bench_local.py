@@ -29,7 +29,7 @@ checkpoint for a restore, the whole-server image for plain-criu). Cold:
 cache only: a virtual disk may still be cached by the host; results record the
 disk-read floor and what the kernel says of the disk). Every run records how
 much of its runtime and of its data were in the page cache just before it
-started (rekindle_agent.residency), so each row's label is proven. Trials
+started (rekindle_agent.restoring.residency), so each row's label is proven. Trials
 interleave every arm, warm and cold, with the arms' order rotated per trial;
 the cold disk-read floor (every checkpoint file read once, in parallel) is
 measured once per trial before the cold runs. Ratios are per trial (naive's
@@ -55,8 +55,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from rekindle_agent import residency
-from rekindle_agent.immutable import remove_tree
+from rekindle_agent.mapped_files.immutable import remove_tree
+from rekindle_agent.restoring import residency
 from rekindle_contract.api import PATH_READYZ
 
 from rekindle_dev import plain_criu
@@ -283,8 +283,10 @@ def vllm_split(log_path: Path, launched_wall: float, ready: float) -> dict[str, 
 def criu_profile(
     run_dir: Path, stats: str = "stats-restore", log_name: str = "restore.log"
 ) -> dict[str, float]:
-    """Inside the criu_restore phase, from CRIU's own stats and -v4 log (rekindle_agent.criu)."""
-    from rekindle_agent import criu as criu_mod
+    """Inside the criu_restore phase, from CRIU's own stats and -v4 log.
+
+    Parsed by rekindle_agent.checkpointing.criu."""
+    from rekindle_agent.checkpointing import criu as criu_mod
 
     out: dict[str, float] = {}
     try:
@@ -535,7 +537,7 @@ def disk_floor(ckpt: Path, files: list[Any], threads: int = 8) -> float:
 
     The floor for a cold restore: nothing that needs the bytes can finish sooner.
     """
-    from rekindle_agent import prefetch
+    from rekindle_agent.restoring import prefetch
 
     drop_caches()
     t0 = time.monotonic()
@@ -567,7 +569,7 @@ def verify_cost(ckpt: Path, threads: int, trials: int) -> dict[str, Any]:
     """The restore's content check alone, on a real checkpoint: read every file with the
     prefetcher (threads as the agent), checking nothing (size), crc32 (what older agents
     checked by default) or BLAKE3 (the default now); median seconds, warm and cold cache."""
-    from rekindle_agent import prefetch
+    from rekindle_agent.restoring import prefetch
     from rekindle_store import digests, manifest_io
 
     man = manifest_io.read(ckpt)

@@ -43,8 +43,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from rekindle_agent.vllm_control import wait_health
-from rekindle_agent.vllm_launch import vllm_env
+from rekindle_agent.supervision.vllm_control import wait_health
+from rekindle_agent.supervision.vllm_launch import vllm_env
 from rekindle_contract.vllm_argv import VllmOptions, vllm_argv
 
 from rekindle_dev.bench_common import fmt, md_table, provenance, pyplot, save_figure, spread

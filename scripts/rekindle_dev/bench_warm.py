@@ -3,7 +3,7 @@
 Every method starts from a dropped page cache (`echo 3 > /proc/sys/vm/drop_caches`)
 and ends when the checkpoint's files are in it; the methods run interleaved, in
 a rotated order per trial, so a load change hits all of them alike:
-  prefetch         the agent's Prefetcher (rekindle_agent.prefetch), N threads,
+  prefetch         the agent's Prefetcher (rekindle_agent.restoring.prefetch), N threads,
                    reading only (verify "size")
   prefetch+blake3  the same read with the BLAKE3 check a restore runs on it
   vmtouch -t       one vmtouch touching every page (mmap, one byte a page)
@@ -12,7 +12,7 @@ a rotated order per trial, so a load change hits all of them alike:
                    touch a byte a page: nothing is copied out of the page cache
   mmap+blake3      the restore's BLAKE3 check hashed straight from such a mapping
                    (no copy into a read buffer), to see whether the check gains too
-Residency (rekindle_agent.residency) is measured before (proves the cache cold)
+Residency (rekindle_agent.restoring.residency) is measured before (proves the cache cold)
 and after (proves it warm) each trial. The checkpoint is a real one (--dir, with
 its manifest.json) or, by default, a synthetic tree of the same shape as the
 tiny model's (small CRIU images, a few large pages-*.img, the weight dump).
@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from rekindle_agent import prefetch, residency
+from rekindle_agent.restoring import prefetch, residency
 from rekindle_contract.manifest import IMAGES_SUBDIR, FileEntry
 from rekindle_store import digests
 

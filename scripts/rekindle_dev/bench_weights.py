@@ -16,7 +16,7 @@ warm and a cold page cache (`echo 3 > /proc/sys/vm/drop_caches`), it times:
   rekindle_fresh_map  (cpu, --map) the same by mapping the dump (the default on CPU)
   dump_check_blake3   the check a restore runs on the dump before it reloads: the
                    agent's prefetcher reading every dump file with BLAKE3 against
-                   its digest (rekindle_agent.prefetch, the agent's thread count)
+                   its digest (rekindle_agent.restoring.prefetch, the agent's thread count)
   *_checked        that check, then the reload: the restore's whole cost of the
                    weights when nothing else runs beside it (in a restore the check
                    overlaps CRIU's restore, so this is the upper bound)
@@ -53,7 +53,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rekindle_agent import prefetch
+from rekindle_agent.restoring import prefetch
 from rekindle_contract import rpc
 from rekindle_contract.agent_args import AgentArgs
 from rekindle_contract.manifest import FileEntry
@@ -158,7 +158,7 @@ def read_file_gbps(path: Path, threads: int, chunk: int = 8 * MiB) -> float:
 
 def cached_fraction(path: Path) -> float:
     """Share of path's pages in the page cache (mincore), to show how warm "warm" was."""
-    from rekindle_agent.residency import mincore_pages
+    from rekindle_agent.restoring.residency import mincore_pages
 
     try:
         resident, total = mincore_pages(path)

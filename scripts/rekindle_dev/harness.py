@@ -40,7 +40,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from rekindle_agent.vllm_process import wait_port_free
+from rekindle_agent.supervision.vllm_process import wait_port_free
 from rekindle_contract.agent_args import AgentArgs, agent_argv
 from rekindle_contract.api import AgentClient, StatusReply
 from rekindle_contract.pod import CHECKPOINT_ENV, CRIU_ENV, TOKEN_ENV

@@ -33,10 +33,10 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from rekindle_agent import seccomp
-from rekindle_agent.criu import COMMON_FLAGS
-from rekindle_agent.vllm_launch import vllm_env
-from rekindle_agent.vllm_process import wait_port_free
+from rekindle_agent.checkpointing.criu import COMMON_FLAGS
+from rekindle_agent.confinement import seccomp
+from rekindle_agent.supervision.vllm_launch import vllm_env
+from rekindle_agent.supervision.vllm_process import wait_port_free
 from rekindle_contract.vllm_argv import VllmOptions, vllm_argv
 
 # vLLM's tree gets PIDs above this in its namespace (the agent's --ns-last-pid default).
@@ -243,7 +243,7 @@ def restore_once(criu: Path, image: PlainImage, work: Path, timeout: float = 600
 
 def _log_end(log: Path) -> float | None:
     """Seconds CRIU's -v4 log spans (its restore's own duration), or None."""
-    from rekindle_agent.criu import restore_log_profile
+    from rekindle_agent.checkpointing.criu import restore_log_profile
 
     try:
         return restore_log_profile(log.read_text(errors="replace"))["total_s"] or None

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rekindle_agent.vllm_control import wait_health
-from rekindle_agent.vllm_launch import vllm_env
+from rekindle_agent.supervision.vllm_control import wait_health
+from rekindle_agent.supervision.vllm_launch import vllm_env
 from rekindle_contract.vllm_argv import VllmOptions, vllm_argv
 
 from rekindle_dev.ports import free_port

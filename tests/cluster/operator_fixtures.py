@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import yaml
-from rekindle_agent.immutable import remove_tree
+from rekindle_agent.mapped_files.immutable import remove_tree
 
 from tests.cluster.cluster_tools import (
     ENV,

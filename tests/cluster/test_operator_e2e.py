@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rekindle_agent import immutable
+from rekindle_agent.mapped_files import immutable
 from rekindle_operator.pods import BUSY_STATES
 from rekindle_operator.quantity import to_bytes
 from rekindle_operator.shm_sizing import shm_need

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rekindle_agent.immutable import remove_tree
-from rekindle_agent.kdat_cache import CACHE_SUBDIR as KDAT_DIR
+from rekindle_agent.mapped_files.immutable import remove_tree
+from rekindle_agent.restoring.kdat_cache import CACHE_SUBDIR as KDAT_DIR
 
 from tests.cluster.cluster_tools import create_namespace, kubectl, kubectl_json, wait_until
 from tests.cluster.operator_fixtures import (

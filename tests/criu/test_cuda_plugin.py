@@ -166,8 +166,8 @@ def test_the_agents_own_criu_command_lines_drive_the_plugin(
     """The exact argv the agent runs for a GPU checkpoint and restore (criu.dump_argv and
     restore_argv with the plugin dir, wrapped by gpu_preflight.criu_env_argv), run for real.
     A GPU restore does not leave the tree stopped (see the next test)."""
-    from rekindle_agent import criu as agent_criu
-    from rekindle_agent import gpu_preflight
+    from rekindle_agent.checkpointing import criu as agent_criu
+    from rekindle_agent.checkpointing import gpu_preflight
 
     bindir, calls = logged_bin
     plugins = str(patched.criu.parent / "plugins")

@@ -1,6 +1,6 @@
 """CRIU's kdat cache for real: a restore loads the file the agent prepared; a bad one is harmless.
 
-The agent (rekindle_agent.kdat_cache) produces criu.kdat with `criu check` under
+The agent (rekindle_agent.restoring.kdat_cache) produces criu.kdat with `criu check` under
 a private tmpfs and installs it where CRIU reads it (/run/criu.kdat here); the
 restore log must then say CRIU loaded it instead of probing the kernel. A file
 CRIU must not trust (garbage, another CRIU build's) must leave the restore
@@ -14,7 +14,7 @@ import struct
 from pathlib import Path
 
 import pytest
-from rekindle_agent import kdat_cache
+from rekindle_agent.restoring import kdat_cache
 
 from .criu_helpers import Flavor, Probe, flavors
 

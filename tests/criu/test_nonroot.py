@@ -4,7 +4,7 @@ A "pod" is a PID + mount namespace whose PID 1 stays (a reaper); its worker runs
 as uid 65534 with rlimits of its own (soft RLIMIT_NOFILE 1000 of 4096, RLIMIT_CORE
 0 of 1 MiB) and keeps a counter and a random token in memory only. From the host,
 as root, CRIU dumps the worker through `nsenter -t <pod's PID 1> -p -m` with the
-agent's own command lines (rekindle_agent.criu) and restores it the same way.
+agent's own command lines (rekindle_agent.checkpointing.criu) and restores it the same way.
 
 CRIU reads a task's rlimits with prlimit(), which needs CAP_SYS_RESOURCE when the
 task has another uid. Where root's capability bounding set lacks it (this VM),
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from rekindle_agent.criu import dump_argv, restore_argv
+from rekindle_agent.checkpointing.criu import dump_argv, restore_argv
 from rekindle_dev.testenv import require
 
 from .criu_helpers import CRIU_TIMEOUT, Flavor, flavors, log_tail, wait_gone

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from rekindle_agent import residency
+from rekindle_agent.restoring import residency
 from rekindle_dev.testenv import require
 
 pytestmark = pytest.mark.criu

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from rekindle_agent import reaper
+from rekindle_agent.process_tree import reaper
 
 
 @pytest.fixture(autouse=True)

@@ -17,7 +17,7 @@ import pytest
 from rekindle_agent import config
 from rekindle_agent.agent import Agent
 from rekindle_agent.config import AgentConfig, ConfigError, admin_tls_context
-from rekindle_agent.server import Proxy, admin_app, file_stamp, listen, reload_admin_cert
+from rekindle_agent.serving.server import Proxy, admin_app, file_stamp, listen, reload_admin_cert
 from rekindle_contract import api
 
 from tests.unit.tls_certs import Ca, ServerCert, make_ca, make_server_cert, needs_openssl

@@ -12,9 +12,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from rekindle_agent import restore
 from rekindle_agent.agent import Agent
 from rekindle_agent.config import AgentConfig
+from rekindle_agent.restoring import restore
 from rekindle_store import manifest_io
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 from rekindle_agent import cli, config, state
-from rekindle_agent.auth import token_ok
 from rekindle_agent.config import normalize_checkpoint
+from rekindle_agent.serving.auth import token_ok
 from rekindle_contract import api
 from rekindle_contract.agent_args import AGENT_COMMAND, AgentArgs, agent_argv
 from rekindle_contract.pod import CHECKPOINT_ENV, CRIU_ENV

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from rekindle_agent.vllm_launch import cpu_threads_bind, vllm_env
+from rekindle_agent.supervision.vllm_launch import cpu_threads_bind, vllm_env
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rekindle_agent import criu, fingerprint
+from rekindle_agent.checkpointing import criu, fingerprint
 
 
 def test_mismatches_only_on_strict_keys() -> None:

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rekindle_agent import checkpoint, criu, fingerprint, gpu_preflight
+from rekindle_agent.checkpointing import checkpoint, criu, fingerprint, gpu_preflight
 from rekindle_agent.config import AgentConfig
-from rekindle_agent.reaper import Result
-from rekindle_agent.vllm_process import VllmProcess
+from rekindle_agent.process_tree.reaper import Result
+from rekindle_agent.supervision.vllm_process import VllmProcess
 
 UUID = "GPU-3f1c2a9e-8b7d-4e21-9c0a-5d6e7f8a9b0c"
 OTHER = "GPU-aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee"

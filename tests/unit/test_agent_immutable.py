@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from rekindle_agent import immutable
+from rekindle_agent.mapped_files import immutable
 
 
 def test_remove_tree_tolerates_a_concurrent_remover(

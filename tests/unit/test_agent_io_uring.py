@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rekindle_agent import io_uring
+from rekindle_agent.confinement import io_uring
 from rekindle_dev.testenv import require
 
 # A child that creates a real ring (io_uring_setup, x86_64 syscall 425), maps its SQ

@@ -6,10 +6,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rekindle_agent import criu, early, fingerprint, kdat_cache
+from rekindle_agent.checkpointing import criu, fingerprint
 from rekindle_agent.config import AgentConfig
-from rekindle_agent.early import EarlyStart
-from rekindle_agent.kdat_cache import KdatError
+from rekindle_agent.restoring import early, kdat_cache
+from rekindle_agent.restoring.early import EarlyStart
+from rekindle_agent.restoring.kdat_cache import KdatError
 
 PAYLOAD = struct.pack("<II", kdat_cache.KDAT_MAGIC, 1795471251) + bytes(range(200))
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 from blake3 import blake3
-from rekindle_agent import prefetch
+from rekindle_agent.restoring import prefetch
 from rekindle_contract.manifest import MANIFEST_FORMAT, MANIFEST_NAME, FileEntry, Manifest
 from rekindle_store import manifest_io
 

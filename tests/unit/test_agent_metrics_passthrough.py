@@ -1,6 +1,6 @@
 """vLLM's metrics appended to the agent's: only its own `vllm:` families."""
 
-from rekindle_agent.server import only_vllm_families
+from rekindle_agent.serving.server import only_vllm_families
 
 VLLM_TEXT = b"""# HELP python_gc_objects_collected_total Objects collected during gc
 # TYPE python_gc_objects_collected_total counter

@@ -10,8 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from rekindle_agent import criu, immutable, mmap_policy
-from rekindle_agent.mmap_policy import decide, tree_refusals
+from rekindle_agent.checkpointing import criu
+from rekindle_agent.mapped_files import immutable, mmap_policy
+from rekindle_agent.mapped_files.mmap_policy import decide, tree_refusals
 from rekindle_dev.testenv import require
 
 SAFE = {
@@ -245,7 +246,8 @@ def test_checkpoint_bound_read_only_in_a_mount_namespace(
     ckpt.mkdir()
     (ckpt / "manifest.json").write_text("{}")
     script = (
-        "import sys, errno; from pathlib import Path; from rekindle_agent import mounts\n"
+        "import sys, errno; from pathlib import Path\n"
+        "from rekindle_agent.mapped_files import mounts\n"
         "p = Path(sys.argv[1]); mounts.bind_read_only(p)\n"
         "assert mounts.is_read_only_mount(p)\n"
         "try:\n    (p / 'new').write_text('x')\nexcept OSError as e:\n"
@@ -257,7 +259,7 @@ def test_checkpoint_bound_read_only_in_a_mount_namespace(
         text=True,
     )
     assert out.returncode == 0 and out.stdout.strip() == "refused", out.stderr
-    from rekindle_agent import mounts
+    from rekindle_agent.mapped_files import mounts
 
     assert not mounts.is_read_only_mount(ckpt)  # this namespace: untouched, still writable
     (ckpt / "new").write_text("x")

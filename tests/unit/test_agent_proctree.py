@@ -5,7 +5,7 @@ import subprocess
 import sys
 import time
 
-from rekindle_agent import proctree
+from rekindle_agent.process_tree import proctree
 
 
 def test_parse_stat_with_spaces_and_parens_in_comm() -> None:
@@ -41,7 +41,7 @@ def test_real_tree_and_kill() -> None:
 
 
 def test_reaper_run_and_orphans() -> None:
-    from rekindle_agent.reaper import Reaper
+    from rekindle_agent.process_tree.reaper import Reaper
 
     r = Reaper()
     try:
@@ -58,7 +58,7 @@ def test_reaper_run_and_orphans() -> None:
 def test_reaper_leaves_other_children_to_their_popen() -> None:
     """A library's subprocess child keeps its own exit status while the reaper runs
     (waitpid(-1) would take it, and Popen would then read exit 0 for a failure)."""
-    from rekindle_agent.reaper import Reaper
+    from rekindle_agent.process_tree.reaper import Reaper
 
     r = Reaper()
     try:
@@ -76,7 +76,7 @@ def test_reaper_leaves_other_children_to_their_popen() -> None:
 
 def test_reaper_takes_an_orphan_after_the_grace() -> None:
     """A zombie nobody waits for (a restored tree's orphan) is reaped and its status kept."""
-    from rekindle_agent.reaper import Reaper
+    from rekindle_agent.process_tree.reaper import Reaper
 
     r = Reaper(orphan_grace_s=0.2)
     try:

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from rekindle_agent import seccomp
+from rekindle_agent.confinement import seccomp
 
 PROBE = (
     "import ctypes, os; libc = ctypes.CDLL(None, use_errno=True); "

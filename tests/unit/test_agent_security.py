@@ -11,9 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rekindle_agent import auth, checkpoint, fingerprint, prefetch, serve_routes
 from rekindle_agent.agent import Agent
+from rekindle_agent.checkpointing import checkpoint, fingerprint
 from rekindle_agent.config import AgentConfig, ConfigError
+from rekindle_agent.restoring import prefetch
+from rekindle_agent.serving import auth, serve_routes
 from rekindle_contract import api
 from rekindle_contract.manifest import MANIFEST_FORMAT, MANIFEST_NAME
 from rekindle_store import manifest_io, signing

@@ -20,7 +20,7 @@ from aiohttp import ClientSession, ClientTimeout, web
 from aiohttp.test_utils import TestServer
 from rekindle_agent.agent import Agent
 from rekindle_agent.config import AgentConfig
-from rekindle_agent.server import Proxy, admin_app, proxy_app
+from rekindle_agent.serving.server import Proxy, admin_app, proxy_app
 from rekindle_contract import api
 
 TOKEN = b"unit-test-token-0123456789"

@@ -3,7 +3,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from rekindle_agent import shm_files
+from rekindle_agent.process_tree import shm_files
 
 
 def _sparse_file(path: Path) -> None:

@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import ClassVar
 
 import pytest
-from rekindle_agent.vllm_control import VllmCallError, VllmControl, missing_method
+from rekindle_agent.supervision.vllm_control import VllmCallError, VllmControl, missing_method
 
 
 class _Fake(BaseHTTPRequestHandler):
@@ -123,11 +123,11 @@ def test_contract_rpc_names_are_the_extensions_methods() -> None:
 
     from rekindle_contract import rpc
 
-    spec = importlib.util.find_spec("rekindle_agent.vllm_extension")
+    spec = importlib.util.find_spec("rekindle_agent.worker.vllm_extension")
     assert spec is not None and spec.origin is not None
     tree = ast.parse(Path(spec.origin).read_text())
     module, cls_name = rpc.WORKER_EXTENSION.rsplit(".", 1)
-    assert module == "rekindle_agent.vllm_extension"
+    assert module == "rekindle_agent.worker.vllm_extension"
     (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls_name]
     methods = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
     names = {v for k, v in vars(rpc).items() if k.isupper() and k != "WORKER_EXTENSION"}
@@ -242,7 +242,7 @@ def test_a_refused_sleep_is_an_error(replay: str) -> None:
 
 
 def test_reload_split_takes_the_slowest_rank() -> None:
-    from rekindle_agent.vllm_control import reload_split
+    from rekindle_agent.supervision.vllm_control import reload_split
 
     reply = {
         "results": [

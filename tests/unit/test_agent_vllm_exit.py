@@ -11,7 +11,7 @@ from __future__ import annotations
 import signal
 from typing import Any, cast
 
-from rekindle_agent.vllm_process import VllmProcess, describe_exit
+from rekindle_agent.supervision.vllm_process import VllmProcess, describe_exit
 
 
 class FakeReaper:

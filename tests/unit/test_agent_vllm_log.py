@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from rekindle_agent.vllm_process import LogFollower
+from rekindle_agent.supervision.vllm_process import LogFollower
 
 
 @pytest.fixture()

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any, cast
 
 import pytest
-from rekindle_agent import vllm_process
-from rekindle_agent.vllm_process import (
+from rekindle_agent.supervision import vllm_process
+from rekindle_agent.supervision.vllm_process import (
     ForeignVllmError,
     VllmProcess,
     argv_endpoint,

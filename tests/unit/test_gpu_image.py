@@ -245,7 +245,7 @@ def test_a_built_root_filesystem_has_every_part() -> None:
     version = re.search(r":v([\d.]+)@", parse((GPU / "Dockerfile").read_text())[0]["VLLM_IMAGE"])
     assert version and (site / f"vllm-{version.group(1)}.dist-info").is_dir()
     assert list(site.glob("nvidia_cuda_runtime*.dist-info")), "not vLLM's CUDA build"
-    assert (site / "rekindle_agent" / "gpu_preflight.py").is_file()
+    assert (site / "rekindle_agent" / "checkpointing" / "gpu_preflight.py").is_file()
     assert not (site / "rekindle_operator").exists()
     cfg = json.loads((out / "image-config.json").read_text())
     assert cfg["Entrypoint"] == ["/usr/local/bin/rekindle", "agent"] and cfg["User"] == "0:0"

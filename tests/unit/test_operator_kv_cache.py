@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from rekindle_agent import cli, config
 from rekindle_agent.config import AgentConfig
-from rekindle_agent.vllm_launch import vllm_options
+from rekindle_agent.supervision.vllm_launch import vllm_options
 from rekindle_contract.agent_args import AGENT_COMMAND, agent_argv
 from rekindle_contract.vllm_argv import VllmOptions, kv_store_transfer_config, vllm_argv
 from rekindle_operator import builders as b

@@ -387,7 +387,7 @@ def test_takes_images(config: dict[str, Any], images: bool) -> None:
 
 
 def test_the_agent_keeps_the_cache_only_for_image_models(tmp_path: Path) -> None:
-    from rekindle_agent.vllm_launch import keep_mm_cache
+    from rekindle_agent.supervision.vllm_launch import keep_mm_cache
 
     text, vision = tmp_path / "text", tmp_path / "vision"
     text.mkdir()

@@ -7,9 +7,9 @@ import time
 from pathlib import Path
 
 import pytest
-from rekindle_agent import residency
-from rekindle_agent.proctree import zombie_children
-from rekindle_agent.reaper import Reaper
+from rekindle_agent.process_tree.proctree import zombie_children
+from rekindle_agent.process_tree.reaper import Reaper
+from rekindle_agent.restoring import residency
 from rekindle_dev.testenv import require
 
 VMTOUCH_OUT = """           Files: 3
@@ -172,7 +172,7 @@ def test_pod_status_and_kubectl_status_show_residency() -> None:
 def test_agent_reports_its_checkpoint_and_follows_only_when_ready(tmp_path: Path) -> None:
     from rekindle_agent.agent import Agent
     from rekindle_agent.config import AgentConfig
-    from rekindle_agent.server import checkpoint_residency, newest_checkpoint
+    from rekindle_agent.serving.server import checkpoint_residency, newest_checkpoint
 
     ckpt = tmp_path / "ckpt"
     (ckpt / "images").mkdir(parents=True)

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
-from rekindle_agent.vllm_launch import keep_mm_cache
+from rekindle_agent.supervision.vllm_launch import keep_mm_cache
 from rekindle_contract.vllm_argv import MM_AUTO_ENV, takes_images
 from rekindle_dev.models import model_digest
 from rekindle_dev.vlm import IMAGE_TOKEN, TinyVlmSpec, generate_tiny_vlm

@@ -1,4 +1,4 @@
-"""CRIU's own restore timing as the restore profile reads it (rekindle_agent.criu).
+"""CRIU's own restore timing as the restore profile reads it (rekindle_agent.checkpointing.criu).
 
 Named with the weights tests' prefix because it belongs to the same performance
 work (docs/restore-profile.md); pure parsing, no CRIU needed.
@@ -7,7 +7,7 @@ work (docs/restore-profile.md); pure parsing, no CRIU needed.
 from __future__ import annotations
 
 import pytest
-from rekindle_agent import criu
+from rekindle_agent.checkpointing import criu
 
 # A real stats-restore written by CRIU 4.2.1 (patched) after a restore of vLLM's tree.
 REAL_STATS = bytes.fromhex("40591055063309571200000012100800100018a10b208a81f6012892b91a")

@@ -14,9 +14,10 @@ from rekindle_dev.testenv import require
 
 require("torch")  # the reloader is tested on real tensors: fail, never skip
 import torch  # noqa: E402
-from rekindle_agent import fingerprint, immutable, mmap_policy, weights_map  # noqa: E402
-from rekindle_agent.vllm_control import VllmCallError, VllmControl  # noqa: E402
-from rekindle_agent.vllm_launch import vllm_env  # noqa: E402
+from rekindle_agent.checkpointing import fingerprint  # noqa: E402
+from rekindle_agent.mapped_files import immutable, mmap_policy, weights_map  # noqa: E402
+from rekindle_agent.supervision.vllm_control import VllmCallError, VllmControl  # noqa: E402
+from rekindle_agent.supervision.vllm_launch import vllm_env  # noqa: E402
 from rekindle_weights import format as fmt  # noqa: E402
 from rekindle_weights import reload as reload_mod  # noqa: E402
 from rekindle_weights.dump import dump_tensors  # noqa: E402

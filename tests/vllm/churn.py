@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rekindle_agent import proctree
+from rekindle_agent.process_tree import proctree
 from rekindle_dev.harness import AgentProc
 
 MAX_TOKENS = 16

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rekindle_agent import criu, immutable, mounts
+from rekindle_agent.checkpointing import criu
+from rekindle_agent.mapped_files import immutable, mounts
 from rekindle_contract import api
 from rekindle_contract.api import AgentError
 

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rekindle_agent import auth
+from rekindle_agent.serving import auth
 from rekindle_contract import api
 from rekindle_contract.api import AgentError, StatusReply
 from rekindle_dev.harness import namespace_members

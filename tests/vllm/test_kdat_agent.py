@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from rekindle_agent import kdat_cache
+from rekindle_agent.restoring import kdat_cache
 
 from .conftest import PROMPTS, AgentFactory, TinyCheckpoint
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rekindle_agent import immutable
+from rekindle_agent.mapped_files import immutable
 from rekindle_weights.reload import MAPPED_MARK
 
 from tests.vllm.conftest import PROMPTS, AgentFactory, AgentProc, factory_for

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from rekindle_agent import proctree
+from rekindle_agent.process_tree import proctree
 
 from tests.vllm import churn
 from tests.vllm.conftest import AgentFactory, TinyCheckpoint

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 import pytest
-from rekindle_agent import criu
+from rekindle_agent.checkpointing import criu
 from rekindle_dev.smollm2 import OUTPUT_FILES
 
 from tests.vllm.conftest import AgentFactory, SmolCheckpoint

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rekindle_agent import residency
-from rekindle_agent.immutable import remove_tree
+from rekindle_agent.mapped_files.immutable import remove_tree
+from rekindle_agent.restoring import residency
 
 from .conftest import AgentFactory, AgentProc, TinyCheckpoint
 

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from rekindle_agent import immutable
+from rekindle_agent.mapped_files import immutable
 from rekindle_contract import rpc
 from rekindle_dev.vllm_runner import RpcError, VllmServer, complete, running_vllm
 from rekindle_weights import format as fmt

@@ -36,26 +36,18 @@ from rekindle_contract.manifest import (
 )
 from rekindle_store import manifest_io, signing
 
-from rekindle_agent import (
-    checkpoint,
-    criu,
-    fingerprint,
-    gpu_preflight,
-    immutable,
-    mmap_policy,
-    mounts,
-    reaper,
-    restore,
-    shm_files,
-)
+from rekindle_agent.checkpointing import checkpoint, criu, fingerprint, gpu_preflight
+from rekindle_agent.checkpointing.criu_backend import BackendError, CriuBackend, InPod, NodeAgent
 from rekindle_agent.config import AgentConfig
-from rekindle_agent.criu_backend import BackendError, CriuBackend, InPod, NodeAgent
-from rekindle_agent.early import EarlyStart
+from rekindle_agent.mapped_files import immutable, mmap_policy, mounts
 from rekindle_agent.metrics import Metrics
+from rekindle_agent.process_tree import reaper, shm_files
+from rekindle_agent.restoring import restore
+from rekindle_agent.restoring.early import EarlyStart
 from rekindle_agent.state import Status
-from rekindle_agent.vllm_control import VllmControl
-from rekindle_agent.vllm_launch import VLLM_HOST, vllm_command
-from rekindle_agent.vllm_process import VllmProcess, describe_exit
+from rekindle_agent.supervision.vllm_control import VllmControl
+from rekindle_agent.supervision.vllm_launch import VLLM_HOST, vllm_command
+from rekindle_agent.supervision.vllm_process import VllmProcess, describe_exit
 
 log = logging.getLogger("rekindle.agent")
 

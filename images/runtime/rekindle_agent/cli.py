@@ -14,9 +14,10 @@ import sys
 import threading
 from pathlib import Path
 
-from rekindle_agent import auth, config
-from rekindle_agent.auth import read_api_key, read_token
-from rekindle_agent.early import EarlyStart
+from rekindle_agent import config
+from rekindle_agent.restoring.early import EarlyStart
+from rekindle_agent.serving import auth
+from rekindle_agent.serving.auth import read_api_key, read_token
 
 
 def run_agent(ns: argparse.Namespace) -> int:
@@ -46,14 +47,14 @@ def run_agent(ns: argparse.Namespace) -> int:
         return 2
     starter = threading.Thread(target=agent.start, name="start", daemon=True)
     starter.start()
-    from rekindle_agent.server import run
+    from rekindle_agent.serving.server import run
 
     return run(agent, starter, early_stop)
 
 
 def remove_checkpoint(ns: argparse.Namespace) -> int:
     """The cleanup Job's command: the pages images are immutable, so rm -rf cannot."""
-    from rekindle_agent.immutable import remove_tree
+    from rekindle_agent.mapped_files.immutable import remove_tree
 
     for path in ns.paths:
         try:

@@ -32,20 +32,19 @@ from rekindle_contract.manifest import (
 )
 from rekindle_store import manifest_io
 
-from rekindle_agent import (
-    criu,
-    fingerprint,
-    gpu_preflight,
-    mmap_policy,
-    prefetch,
-    proctree,
-    shm_files,
-    weights_map,
+from rekindle_agent.checkpointing import criu, fingerprint, gpu_preflight
+from rekindle_agent.checkpointing.criu_backend import (
+    BackendError,
+    CriuBackend,
+    InPod,
+    RestoreOptions,
 )
 from rekindle_agent.config import AgentConfig
-from rekindle_agent.criu_backend import BackendError, CriuBackend, InPod, RestoreOptions
-from rekindle_agent.vllm_control import VllmCallError, VllmControl
-from rekindle_agent.vllm_process import VllmProcess
+from rekindle_agent.mapped_files import mmap_policy, weights_map
+from rekindle_agent.process_tree import proctree, shm_files
+from rekindle_agent.restoring import prefetch
+from rekindle_agent.supervision.vllm_control import VllmCallError, VllmControl
+from rekindle_agent.supervision.vllm_process import VllmProcess
 
 log = logging.getLogger("rekindle.restore")
 HEALTH_TIMEOUT_S = 60.0  # a restored server answers at once; this only bounds a hung one

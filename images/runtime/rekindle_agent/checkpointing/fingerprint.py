@@ -29,7 +29,7 @@ from typing import Any
 
 from rekindle_contract.pod import IMAGE_ENV
 
-from rekindle_agent import gpu_preflight
+from rekindle_agent.checkpointing import gpu_preflight
 
 # Keys compared for equality; anything else in the fingerprint is informational.
 STRICT_KEYS = (

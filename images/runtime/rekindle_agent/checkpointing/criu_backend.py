@@ -31,8 +31,8 @@ from rekindle_contract import node_api
 from rekindle_contract.manifest import Manifest
 from rekindle_store import manifest_io
 
-from rekindle_agent import criu
-from rekindle_agent.reaper import Reaper
+from rekindle_agent.checkpointing import criu
+from rekindle_agent.process_tree.reaper import Reaper
 
 log = logging.getLogger("rekindle.criu_backend")
 

@@ -29,10 +29,12 @@ from typing import Any, cast
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 from rekindle_contract import api
 
-from rekindle_agent import checkpoint, residency, serve_routes
 from rekindle_agent.agent import Agent
-from rekindle_agent.auth import token_ok
+from rekindle_agent.checkpointing import checkpoint
 from rekindle_agent.config import ConfigError, admin_tls_context
+from rekindle_agent.restoring import residency
+from rekindle_agent.serving import serve_routes
+from rekindle_agent.serving.auth import token_ok
 
 log = logging.getLogger("rekindle.server")
 RETRY_AFTER_S = "2"

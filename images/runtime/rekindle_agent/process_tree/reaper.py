@@ -25,7 +25,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from rekindle_agent import proctree
+from rekindle_agent.process_tree import proctree
 
 PR_SET_CHILD_SUBREAPER = 36
 ORPHAN_GRACE_S = 5.0  # a zombie nobody claimed for this long is an orphan: reap it

@@ -32,20 +32,15 @@ from rekindle_contract.manifest import (
 )
 from rekindle_store import manifest_io
 
-from rekindle_agent import (
-    __version__,
-    criu,
-    fingerprint,
-    gpu_preflight,
-    io_uring,
-    mmap_policy,
-    proctree,
-    shm_files,
-)
+from rekindle_agent import __version__
+from rekindle_agent.checkpointing import criu, fingerprint, gpu_preflight
+from rekindle_agent.checkpointing.criu_backend import BackendError, CriuBackend, InPod
 from rekindle_agent.config import AgentConfig
-from rekindle_agent.criu_backend import BackendError, CriuBackend, InPod
-from rekindle_agent.vllm_control import VllmCallError, VllmControl, missing_method
-from rekindle_agent.vllm_process import VllmProcess
+from rekindle_agent.confinement import io_uring
+from rekindle_agent.mapped_files import mmap_policy
+from rekindle_agent.process_tree import proctree, shm_files
+from rekindle_agent.supervision.vllm_control import VllmCallError, VllmControl, missing_method
+from rekindle_agent.supervision.vllm_process import VllmProcess
 
 DUMP_LOG = "dump.log"  # CRIU's log, kept beside the images (not checksummed)
 

@@ -25,9 +25,10 @@ from typing import Any, TypeVar
 from rekindle_contract.manifest import Manifest
 from rekindle_store import manifest_io
 
-from rekindle_agent import criu, fingerprint, kdat_cache, prefetch
+from rekindle_agent.checkpointing import criu, fingerprint
 from rekindle_agent.config import AgentConfig
-from rekindle_agent.vllm_launch import vllm_command
+from rekindle_agent.restoring import kdat_cache, prefetch
+from rekindle_agent.supervision.vllm_launch import vllm_command
 
 log = logging.getLogger("rekindle.early")
 T = TypeVar("T")

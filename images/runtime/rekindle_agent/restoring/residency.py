@@ -34,8 +34,8 @@ from typing import Any
 
 from rekindle_store.page_cache import PAGE, mincore_pages
 
-from rekindle_agent.prefetch import deferred
-from rekindle_agent.reaper import Reaper
+from rekindle_agent.process_tree.reaper import Reaper
+from rekindle_agent.restoring.prefetch import deferred
 
 log = logging.getLogger("rekindle.residency")
 

@@ -14,7 +14,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from rekindle_agent import immutable
+from rekindle_agent.mapped_files import immutable
 
 # "0" in the agent's (and so vLLM's) environment: reloads copy the dump, never map it.
 MAP_WEIGHTS_ENV = "REKINDLE_MAP_WEIGHTS"

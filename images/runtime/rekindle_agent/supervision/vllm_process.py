@@ -18,8 +18,9 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from rekindle_agent import proctree, seccomp, shm_files
-from rekindle_agent.reaper import Reaper
+from rekindle_agent.confinement import seccomp
+from rekindle_agent.process_tree import proctree, shm_files
+from rekindle_agent.process_tree.reaper import Reaper
 
 # Each line vLLM writes reaches the agent's stdout (so `kubectl logs`) behind this tag.
 LOG_TAG = b"[vllm] "

@@ -7,7 +7,7 @@ ENOSYS, so libuv falls back to epoll. Filters survive fork and exec, so every
 process of the tree (API server, engine core, workers) inherits it, and CRIU
 dumps and restores the filter with the tree.
 
-Used as an exec wrapper: `python -m rekindle_agent.seccomp -- ARGV...` installs
+Used as an exec wrapper: `python -m rekindle_agent.confinement.seccomp -- ARGV...` installs
 the filter in itself and execs ARGV (same PID), which keeps the agent free of
 preexec_fn (unsafe in a threaded parent).
 """
@@ -83,7 +83,7 @@ def install_io_uring_filter() -> None:
 
 def wrap(argv: list[str], python: str = sys.executable) -> list[str]:
     """argv run under the filter."""
-    return [python, "-m", "rekindle_agent.seccomp", "--", *argv]
+    return [python, "-m", "rekindle_agent.confinement.seccomp", "--", *argv]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,7 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     if args[:1] == ["--"]:
         args = args[1:]
     if not args:
-        print("usage: python -m rekindle_agent.seccomp -- COMMAND [ARGS...]", file=sys.stderr)
+        print(
+            "usage: python -m rekindle_agent.confinement.seccomp -- COMMAND [ARGS...]",
+            file=sys.stderr,
+        )
         return 2
     install_io_uring_filter()
     os.execvp(args[0], args)

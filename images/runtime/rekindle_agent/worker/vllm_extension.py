@@ -1,7 +1,7 @@
 """Rekindle's vLLM worker extension: dump, release and reload weights over collective_rpc.
 
 Start vLLM with `--worker-extension-cls
-rekindle_agent.vllm_extension.RekindleWorkerExtension` (rekindle_contract.rpc's
+rekindle_agent.worker.vllm_extension.RekindleWorkerExtension` (rekindle_contract.rpc's
 WORKER_EXTENSION; the agent's vLLM command line has it) and
 `VLLM_SERVER_DEV_MODE=1`; then `POST /collective_rpc` with
 `{"method": M, "args": [...], "kwargs": {...}}` answers `{"results": [one per worker]}`.
@@ -30,7 +30,7 @@ rekindle_contract.rpc):
   (chattr +i: a proven checkpoint, immutable.protect_weights), the page-aligned
   part of each tensor is mapped from the dump instead of copied
   (rekindle_weights.reload.map_range: no first-touch faults on fresh memory);
-  `map` says why or why not (rekindle_agent.weights_map.map_choice). Off with
+  `map` says why or why not (rekindle_agent.mapped_files.weights_map.map_choice). Off with
   REKINDLE_MAP_WEIGHTS=0 in the server's environment or map_weights=false.
   Release and the next reload turn those ranges back into anonymous memory first.
 - `rekindle_weights_digest() -> {name: checksum}`: per-tensor block CRC-32s
@@ -73,7 +73,7 @@ from rekindle_weights.reload import (
 )
 from rekindle_weights.tensors import byte_tensor, host_bytes, model_tensors
 
-from rekindle_agent.weights_map import map_choice
+from rekindle_agent.mapped_files.weights_map import map_choice
 
 if TYPE_CHECKING:
     import torch

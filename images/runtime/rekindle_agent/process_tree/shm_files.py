@@ -15,7 +15,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from rekindle_agent import proctree
+from rekindle_agent.process_tree import proctree
 
 SHM = "/dev/shm"
 CHUNK = 8 << 20

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rekindle_agent import proctree
+from rekindle_agent.process_tree import proctree
 
 MARK = "io_uring"
 

@@ -16,7 +16,7 @@ from rekindle_contract.rpc import WORKER_EXTENSION
 from rekindle_contract.vllm_argv import MM_AUTO_ENV, VllmOptions, takes_images, vllm_argv
 
 from rekindle_agent.config import AgentConfig
-from rekindle_agent.weights_map import THP_ENV
+from rekindle_agent.mapped_files.weights_map import THP_ENV
 
 VLLM_HOST = "127.0.0.1"  # vLLM is reachable only through the agent
 

@@ -60,7 +60,7 @@ class AgentArgs:
     )
     token_file: str = _opt("bearer token file of the admin API", default=TOKEN_FILE)
     run_dir: str = _opt("vLLM's log and TMPDIR; same path in every pod", default=RUN_DIR)
-    checkpoint: str | None = _opt("checkpoint directory to restore from at start", default=None)
+    restore_from: str | None = _opt("checkpoint directory to restore from at start", default=None)
     checkpoint_root: str | None = _opt(
         "POST /v1/checkpoint only writes below this directory", default=None
     )

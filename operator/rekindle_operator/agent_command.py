@@ -37,7 +37,7 @@ def agent_args(spec: IsvcSpec) -> AgentArgs:
         kv_store_dir=KV_STORE_MOUNT if spec.kv_store else None,
         checkpoint_root=CHECKPOINT_MOUNT,
         # Kubernetes expands $(VAR) from the container's env when it starts it.
-        checkpoint=f"$({CHECKPOINT_ENV})",
+        restore_from=f"$({CHECKPOINT_ENV})",
         restore_policy=_RESTORE_POLICY[spec.restore_policy],
         prefetch=spec.prefetch,
         keep_resident_mb=spec.keep_resident_bytes >> 20,

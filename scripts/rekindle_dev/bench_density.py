@@ -460,7 +460,7 @@ def one_group(s: Setup, n: int, mode: str, cache: str, tag: str) -> dict[str, An
                         name,
                         memcg,
                         s.work,
-                        checkpoint=str(s.ckpt),
+                        restore_from=str(s.ckpt),
                         restore_policy="require",
                         criu=str(s.criu[mode]),
                         **MODES[mode],

@@ -207,7 +207,7 @@ def one_run(
     if settings.pop("signed", False):
         settings["signing_key_file"] = str(key_file)
     if variant != "naive":
-        settings.update(checkpoint=str(ckpt), criu=str(criu[variant]))
+        settings.update(restore_from=str(ckpt), criu=str(criu[variant]))
     for stale in (CRIU_STATS, CRIU_LOG, VLLM_LOG):  # the run writes them anew
         (factory.run_dir / stale).unlink(missing_ok=True)
     launched_wall = time.time()

@@ -70,7 +70,7 @@ def test_every_setting_round_trips_through_agent_argv(monkeypatch: pytest.Monkey
         ports_file="/tmp/ports.json",
         token_file="/secrets/token",
         run_dir="/run/rekindle",
-        checkpoint="/ckpt/c1",
+        restore_from="/ckpt/c1",
         checkpoint_root="/ckpt",
         restore_policy="require",
         criu="/opt/criu/bin/criu",
@@ -119,23 +119,23 @@ def test_operator_like_argv_with_unexpanded_checkpoint_var() -> None:
     args = AgentArgs(
         model="/models/m",
         served_name="m",
-        checkpoint=f"$({CHECKPOINT_ENV})",
+        restore_from=f"$({CHECKPOINT_ENV})",
         checkpoint_root="/var/lib/rekindle/checkpoints",
         prefetch=False,
         vllm_args=["--max-num-seqs", "8"],
     )
     argv = agent_argv(args)
-    assert argv[argv.index("--checkpoint") + 1] == "$(REKINDLE_CHECKPOINT)"
+    assert argv[argv.index("--restore-from") + 1] == "$(REKINDLE_CHECKPOINT)"
     # The ConfigMap key is missing: the variable is unset and stays unexpanded.
     cfg = _parse_command(argv)
-    assert cfg.checkpoint is None and cfg.prefetch is False
+    assert cfg.restore_from is None and cfg.prefetch is False
     assert cfg.vllm_args == ["--max-num-seqs", "8"]
     # Set but empty: no checkpoint either. Set: that directory.
     assert (
-        _parse_command([a.replace("$(REKINDLE_CHECKPOINT)", "") for a in argv]).checkpoint is None
+        _parse_command([a.replace("$(REKINDLE_CHECKPOINT)", "") for a in argv]).restore_from is None
     )
     expanded = [a.replace("$(REKINDLE_CHECKPOINT)", "/ckpt/c2") for a in argv]
-    assert _parse_command(expanded).checkpoint == "/ckpt/c2"
+    assert _parse_command(expanded).restore_from == "/ckpt/c2"
 
 
 @pytest.mark.parametrize(
@@ -173,7 +173,7 @@ def test_file_values_are_checked_like_flags(tmp_path: Path) -> None:
 
 
 def test_checkpoint_env_and_unexpanded_k8s_var() -> None:
-    assert _parse(["--model", "/m"], env={CHECKPOINT_ENV: "/c/1"}).checkpoint == "/c/1"
+    assert _parse(["--model", "/m"], env={CHECKPOINT_ENV: "/c/1"}).restore_from == "/c/1"
     assert normalize_checkpoint("$(REKINDLE_CHECKPOINT)") is None
     assert normalize_checkpoint("") is None
     assert normalize_checkpoint("/c/1") == "/c/1"

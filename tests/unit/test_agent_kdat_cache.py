@@ -187,7 +187,7 @@ def test_early_start_prepares_the_cache_in_the_checkpoint_root(
 def test_early_start_cache_dir_defaults_to_the_checkpoints_parent(
     tmp_path: Path, early_fakes: list[tuple[str, str | None]]
 ) -> None:
-    EarlyStart().begin(_cfg(tmp_path, criu="/c", checkpoint="/data/ck/one", prefetch=False))
+    EarlyStart().begin(_cfg(tmp_path, criu="/c", restore_from="/data/ck/one", prefetch=False))
     EarlyStart().begin(_cfg(tmp_path, criu="/c"))
     assert [d for _, d in early_fakes] == ["/data/ck", None]
 

@@ -113,7 +113,7 @@ def test_agent_is_entrypoint_with_shm_cache_settings() -> None:
     assert "--" not in cmd  # no user vLLM flags; the operator writes none itself
     assert cmd[cmd.index("--mm-shm-cache-gb") + 1] == "0.5"
     assert cmd[cmd.index("--mm-shm-max-object-mb") + 1] == "64"
-    assert cmd[cmd.index("--checkpoint") + 1] == f"$({CHECKPOINT_ENV})"
+    assert cmd[cmd.index("--restore-from") + 1] == f"$({CHECKPOINT_ENV})"
     assert cmd[cmd.index("--checkpoint-root") + 1] == CHECKPOINT_MOUNT
     assert agent_args(tiny()).device == "cpu" and "--device" not in cmd  # the agent's default
     vllm = vllm_of(tiny())

@@ -130,7 +130,7 @@ def test_restore_in_new_namespace(
     if not mapped:
         settings["prefetch"] = False
     agent = agent_factory.start(
-        name=f"restore-{mmap_restore}", checkpoint=str(tiny_ckpt.path), **settings
+        name=f"restore-{mmap_restore}", restore_from=str(tiny_ckpt.path), **settings
     )
     try:
         st = agent.wait_ready(300)
@@ -169,7 +169,7 @@ def test_mmap_refused_for_a_tree_that_needs_anonymous_memory(
     assert criu.probe(str(agent_factory.criu)).mmap_restore, "the patched CRIU maps"
     ckpt = shadow_checkpoint(tiny_ckpt.path, tmp_path / "ckpt")
     edit_manifest(ckpt, lambda d: d["mmap"].update(allocators=["jemalloc"]))
-    agent = agent_factory.start(name="nommap", checkpoint=str(ckpt))
+    agent = agent_factory.start(name="nommap", restore_from=str(ckpt))
     try:
         st = agent.wait_ready(300)
         assert st.origin == "restored", (st.raw, agent.tail(50))
@@ -186,7 +186,7 @@ def test_checkpoint_of_a_restored_server(
 ) -> None:
     """A restored (mmap-restored, with the patched CRIU) vLLM checkpoints again, self-contained."""
     first = tiny_ckpt.path
-    agent = agent_factory.start(name="redump", checkpoint=str(first))
+    agent = agent_factory.start(name="redump", restore_from=str(first))
     second = agent_factory.checkpoints / "redump"
     try:
         assert agent.wait_ready(300).raw["restored_with_mmap"] is True
@@ -200,7 +200,7 @@ def test_checkpoint_of_a_restored_server(
         away = first.with_name(first.name + ".away")
         first.rename(away)
         try:
-            agent = agent_factory.start(name="from-redump", checkpoint=str(second))
+            agent = agent_factory.start(name="from-redump", restore_from=str(second))
             try:
                 st = agent.wait_ready(300)
                 assert st.origin == "restored" and st.checkpoint == str(second), st.raw
@@ -214,7 +214,7 @@ def test_checkpoint_of_a_restored_server(
 
 
 def test_api_needs_token(tiny_ckpt: TinyCheckpoint, agent_factory: AgentFactory) -> None:
-    agent = agent_factory.start(name="auth", checkpoint=str(tiny_ckpt.path))
+    agent = agent_factory.start(name="auth", restore_from=str(tiny_ckpt.path))
     try:
         agent.wait_ready(300)
         for path, method, body in (
@@ -303,7 +303,7 @@ def test_bad_checkpoint_is_refused_with_its_reason(
     ckpt = shadow_checkpoint(tiny_ckpt.path, tmp_path / "ckpt")
     damage(ckpt)
     agent = agent_factory.start(
-        name=f"refused-{reason}", checkpoint=str(ckpt), restore_policy="require"
+        name=f"refused-{reason}", restore_from=str(ckpt), restore_policy="require"
     )
     try:
         st = agent.wait_state(("Failed", "Ready"), 300)
@@ -348,7 +348,7 @@ def fallback(
     ckpt = shadow_checkpoint(tiny_ckpt.path, tmp_path_factory.mktemp("fallback") / "ckpt")
     _corrupt_weights(ckpt)
     target = agent_factory.checkpoints / "refused"
-    agent = agent_factory.start(name="fallback", checkpoint=str(ckpt), seccomp_io_uring=False)
+    agent = agent_factory.start(name="fallback", restore_from=str(ckpt), seccomp_io_uring=False)
     try:
         st = agent.wait_ready(600)
         served = completions(agent)

@@ -141,7 +141,7 @@ class Sec:
     def start_a(self, checkpoint: Path) -> AgentProc:
         self._a = self.factory.start(
             name="sec-a",
-            checkpoint=str(checkpoint),
+            restore_from=str(checkpoint),
             criu=str(self.criu_a.path),
             signing_key_file=str(self.key1),
             api_key_file=str(self.api_key_file),
@@ -322,7 +322,7 @@ def _refused(
     """Restore with --restore-policy require: Failed at once, with the fallback's reason."""
     agent = sec.factory.start(
         name=name,
-        checkpoint=str(ckpt),
+        restore_from=str(ckpt),
         restore_policy="require",
         criu=str(criu.path),
         checkpoint_root=str(sec.root),
@@ -414,7 +414,7 @@ def test_a_hanging_criu_dump_is_killed_and_vllm_booted_again(sec: Sec, tmp_path:
     criu = fake_criu(tmp_path, f.criu, "b")
     b = f.start(
         name="sec-b",
-        checkpoint=str(sec.good),
+        restore_from=str(sec.good),
         criu=str(criu.path),
         signing_key_file=str(sec.key1),
         checkpoint_root=str(sec.root),
@@ -461,7 +461,7 @@ def test_watchdog_ends_a_stuck_checkpoint(sec: Sec, tmp_path: Path) -> None:
     criu = fake_criu(tmp_path, f.criu, "c")
     c = f.start(
         name="sec-c",
-        checkpoint=str(sec.good),
+        restore_from=str(sec.good),
         restore_policy="require",
         criu=str(criu.path),
         signing_key_file=str(sec.key1),
@@ -496,7 +496,7 @@ def test_signed_checkpoint_restores(sec: Sec) -> None:
     sec.stop_a()
     agent = sec.factory.start(
         name="sec-good",
-        checkpoint=str(sec.good),
+        restore_from=str(sec.good),
         signing_key_file=str(sec.key1),
         checkpoint_root=str(sec.root),
     )

@@ -40,7 +40,7 @@ def test_second_agent_refuses_a_running_vllm(
     agent_factory: AgentFactory, tiny_ckpt: TinyCheckpoint
 ) -> None:
     factory = agent_factory
-    first = factory.start(name="first", checkpoint=str(tiny_ckpt.path))
+    first = factory.start(name="first", restore_from=str(tiny_ckpt.path))
     try:
         assert first.wait_ready(300).origin == "restored"
         answer = first.complete(PROMPTS[0])

@@ -32,7 +32,7 @@ def _kept(factory: AgentFactory) -> list[Path]:
 def _restore(factory: AgentFactory, ckpt: TinyCheckpoint, name: str) -> tuple[str, str]:
     """Restore from ckpt in a new "pod"; the agent's log and CRIU's restore log."""
     (factory.run_dir / "restore.log").unlink(missing_ok=True)
-    agent = factory.start(name=name, checkpoint=str(ckpt.path))
+    agent = factory.start(name=name, restore_from=str(ckpt.path))
     try:
         st = agent.wait_ready(300)
         assert st.origin == "restored", (st.raw, agent.tail(100))

@@ -90,7 +90,7 @@ def test_prefix_cache_after_checkpoint_and_restore(
     # The checkpointed server was warm: its later turns hit (test_later_turns_... proves how much).
     assert turns[1].hits > 0 and turns[-1].hits > 0, [t.hits for t in turns]
     agent = smollm2_factory.start(
-        name="kvrestore", checkpoint=str(smollm2_ckpt.path), max_model_len=MAX_MODEL_LEN
+        name="kvrestore", restore_from=str(smollm2_ckpt.path), max_model_len=MAX_MODEL_LEN
     )
     try:
         st = agent.wait_ready(300)

@@ -87,7 +87,7 @@ def test_ladder_05b_checkpoint_restore_same_answers(factory: AgentFactory) -> No
     assert before.batch[: len(PROMPTS)] == before.sequential
     assert verified == before
 
-    agent = factory.start(name="restore", checkpoint=str(ckpt))
+    agent = factory.start(name="restore", restore_from=str(ckpt))
     try:
         st = agent.wait_ready(600)
         assert st.origin == "restored" and st.last_fallback is None, st.raw

@@ -151,7 +151,7 @@ def test_off_switch_copies(
     even though the tree was dumped with mapping on."""
     c1 = proven.get()
     monkeypatch.setitem(factory.env, "REKINDLE_MAP_WEIGHTS", "0")
-    replica = factory.start(name="replica-off", checkpoint=str(c1.path))
+    replica = factory.start(name="replica-off", restore_from=str(c1.path))
     try:
         st = replica.wait_ready(300)
         assert st.origin == "restored" and st.last_fallback is None, st.raw
@@ -178,7 +178,7 @@ def test_restored_replica_maps_the_immutable_dump(factory: AgentFactory, proven:
         data.open("r+b")
 
     c2 = factory.checkpoints / "c2"
-    replica = factory.start(name="replica", checkpoint=str(c1.path))
+    replica = factory.start(name="replica", restore_from=str(c1.path))
     try:
         st = replica.wait_ready(300).raw
         assert st["origin"] == "restored" and st["last_fallback"] is None, st
@@ -207,7 +207,7 @@ def test_restored_replica_maps_the_immutable_dump(factory: AgentFactory, proven:
         # The first checkpoint can go (its immutable files too); the second stands alone.
         immutable.remove_tree(c1.path)
         assert not c1.path.exists()
-        again = factory.start(name="from-c2", checkpoint=str(c2))
+        again = factory.start(name="from-c2", restore_from=str(c2))
         try:
             st = again.wait_ready(300).raw
             assert st["origin"] == "restored" and st["checkpoint"] == str(c2), st

@@ -276,7 +276,7 @@ def sized(tmp_path_factory: pytest.TempPathFactory, vlm_model: Path, criu_prefix
                 r.saved_blocks = (ckpt / "shm" / str(f["name"])).stat().st_blocks * 512
         agent.stop()  # its vLLM's port, shared like pods', is the restored one's
 
-        restored = start_in_pod(factory, "restored", sized_shm_bytes(), checkpoint=str(ckpt))
+        restored = start_in_pod(factory, "restored", sized_shm_bytes(), restore_from=str(ckpt))
         r.restored = dict(restored.wait_ready(600).raw)
         (r.ring_after,) = ring_buffers(restored)
         answer, deltas = _sight(factory, restored, 1)  # vLLM's counters came back with it

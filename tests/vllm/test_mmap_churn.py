@@ -55,7 +55,7 @@ def churn_run(agent_factory: AgentFactory, tiny_ckpt: TinyCheckpoint) -> Iterato
     c = Churn(tiny_ckpt.churn_outputs, tiny_ckpt.churn_memory, tiny_ckpt.images_kib)
     t = time.monotonic()
     agent = agent_factory.start(
-        name="churn-mmap", checkpoint=str(tiny_ckpt.path), mmap_restore="on"
+        name="churn-mmap", restore_from=str(tiny_ckpt.path), mmap_restore="on"
     )
     try:
         st = agent.wait_ready(300)

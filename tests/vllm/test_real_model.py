@@ -86,7 +86,7 @@ def test_same_answers_after_a_restore(
     assert criu.probe(str(smollm2_factory.criu)).mmap_restore, "the patched CRIU maps"
     agent = smollm2_factory.start(
         name=f"restore-{mmap_restore}",
-        checkpoint=str(smollm2_ckpt.path),
+        restore_from=str(smollm2_ckpt.path),
         max_model_len=MAX_MODEL_LEN,
         mmap_restore=mmap_restore,
     )

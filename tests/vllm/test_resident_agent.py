@@ -86,7 +86,7 @@ def test_agent_keeps_its_newest_checkpoint_resident(
     ckpt = agent_factory.checkpoints / "resident"
     control = agent_factory.checkpoints / "resident-control"
     agent = agent_factory.start(
-        name="resident", checkpoint=str(tiny_ckpt.path), keep_resident_mb=BUDGET_MB
+        name="resident", restore_from=str(tiny_ckpt.path), keep_resident_mb=BUDGET_MB
     )
     try:
         st = agent.wait_ready(300)

@@ -179,7 +179,7 @@ def test_tp2_checkpoint_restore_same_answers(factory: AgentFactory) -> None:
     print(f"/dev/shm booted: apparent {booted_shm[0]}, allocated {booted_shm[1]}, budget {budget}")
     assert booted_shm[0] <= budget and booted_shm[1] <= budget, (booted_shm, budget)
 
-    agent = factory.start(name="restore-tp2", tensor_parallel_size=TP, checkpoint=str(ckpt))
+    agent = factory.start(name="restore-tp2", tensor_parallel_size=TP, restore_from=str(ckpt))
     try:
         st = agent.wait_ready(300)
         assert st.origin == "restored" and st.last_fallback is None, st.raw

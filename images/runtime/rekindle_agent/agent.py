@@ -315,14 +315,14 @@ class Agent:
                     log.info("removed stale /dev/shm files: %s", removed)
             required = cfg.restore_policy == "require"
             try:
-                if cfg.checkpoint and cfg.restore_policy != "never":
+                if cfg.restore_from and cfg.restore_policy != "never":
                     if self.backend.privileged:
-                        self._mount_read_only(Path(cfg.checkpoint))
+                        self._mount_read_only(Path(cfg.restore_from))
                     self.restore_or_fallback(
-                        Path(cfg.checkpoint), require_verified=True, boot_on_failure=not required
+                        Path(cfg.restore_from), require_verified=True, boot_on_failure=not required
                     )
                 elif required:
-                    self.set_state("Failed", "--restore-policy require, but no --checkpoint")
+                    self.set_state("Failed", "--restore-policy require, but no --restore-from")
                 else:
                     self.boot()
             except Exception as e:

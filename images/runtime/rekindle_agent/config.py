@@ -33,7 +33,7 @@ from rekindle_contract.pod import (
 # Settings that may also come from the environment (the pod spec sets these).
 ENV_VARS = {
     "criu": CRIU_ENV,
-    "checkpoint": CHECKPOINT_ENV,
+    "restore_from": CHECKPOINT_ENV,
     "token_file": TOKEN_ENV,
     "api_key_file": API_KEY_ENV,
     "signing_key_file": SIGNING_KEY_ENV,
@@ -288,7 +288,7 @@ def from_args(ns: argparse.Namespace, env: dict[str, str] | None = None) -> Agen
         if v is None or (f.name == "vllm_args" and not v):
             continue
         values[f.name] = v
-    values["checkpoint"] = normalize_checkpoint(values.get("checkpoint"))
+    values["restore_from"] = normalize_checkpoint(values.get("restore_from"))
     cfg = AgentConfig(**values)
     cfg.validate()
     return cfg

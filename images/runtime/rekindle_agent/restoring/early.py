@@ -63,15 +63,15 @@ class EarlyStart:
         fingerprinting this environment."""
         # Through the node agent, a restore reads the node's verified copy, not the path
         # (at most a published copy there, which only the node agent may read in).
-        restoring = cfg.checkpoint and cfg.restore_policy != "never"
+        restoring = cfg.restore_from and cfg.restore_policy != "never"
         if restoring and cfg.prefetch and not cfg.node_socket:
-            self._start_prefetch(Path(cfg.checkpoint or ""), cfg)
+            self._start_prefetch(Path(cfg.restore_from or ""), cfg)
         with self._lock:
             if cfg.criu not in self._probes:
                 self._probes[cfg.criu] = _in_background("criu-probe", criu.probe, cfg.criu)
             if cfg.criu not in self._kdat and os.environ.get(KDAT_CACHE_ENV, "") != "off":
                 cache_dir = cfg.checkpoint_root or (
-                    str(Path(cfg.checkpoint).parent) if cfg.checkpoint else None
+                    str(Path(cfg.restore_from).parent) if cfg.restore_from else None
                 )
                 self._kdat[cfg.criu] = _in_background(
                     "kdat", kdat_cache.prepare, cfg.criu, cache_dir, self.signing_key

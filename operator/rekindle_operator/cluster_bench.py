@@ -181,12 +181,23 @@ def pointed(kube: Kube, ns: str, name: str, restore: bool) -> bool:
 
 
 def one_trial(
-    kube: Kube, ns: str, name: str, model: str, arm: str, i: int, timeout: float = 600
+    kube: Kube,
+    ns: str,
+    name: str,
+    model: str,
+    arm: str,
+    i: int,
+    timeout: float = 600,
+    before_start: Callable[[], object] | None = None,
 ) -> Trial:
+    """Scale name to 0 and back to 1 and time it; before_start runs just before the
+    clock starts, with no pod of it left (a cold-cache bench drops the page cache)."""
     policy = "Never" if arm == "naive" else "IfAvailable"
     scale(kube, ns, name, 0, policy)
     wait_gone(kube, ns, name)
     wait_pointer(kube, ns, name, restore=arm != "naive")
+    if before_start is not None:
+        before_start()
     t0 = time.monotonic()
     scale(kube, ns, name, 1)
     ready_s = first_s = None

@@ -11,9 +11,12 @@ cluster, from the same runtime image and the same spec but for where CRIU runs:
 Each is booted and checkpointed once; then every trial scales one of them 0 -> 1
 and times it as `kubectl rekindle bench` does (pod Ready, first token through the
 Service, agent start to Ready on the agent's clock), the arms alternating and
-their order rotating per trial. Both checkpoints were just written on this node
-and are read by every trial, so both are warm in the page cache: the residency
-of each arm's checkpoint files is recorded before each of its trials.
+their order rotating per trial. Page cache (--cache): warm, both checkpoints were
+just written on this node and are read by every trial; cold, the whole page cache
+is dropped (`echo 3 > /proc/sys/vm/drop_caches`, as `bench local` does) just
+before the scale-up, for both arms alike; both (the default) interleaves a warm
+and a cold round in every trial. The residency of each arm's checkpoint files is
+recorded just before each of its trials.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from rekindle_store import page_cache
 from rekindle_dev.bench_common import REPO, md_table, provenance
 
 ARMS = ("in-pod", "node-agent")
+CACHES = ("warm", "cold")
 NAME = "tiny"
 CONTAINERD_TASKS = "/run/rekindle-cluster/containerd/state/io.containerd.runtime.v2.task/k8s.io"
 KUBELET_ROOT = "/var/lib/rekindle-cluster/kubelet/root"
@@ -166,56 +170,77 @@ def residency(files_root: Path) -> dict[str, Any]:
     }
 
 
-def summarize(trials: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
-    out: dict[str, dict[str, dict[str, float]]] = {}
-    for arm in ARMS:
-        mine = [t for t in trials if t["arm"] == arm]
-        out[arm] = {}
-        for key in ("agent_ready_s", "ready_s", "first_token_s"):
-            vals = [t[key] for t in mine if t[key] is not None]
-            if vals:
-                out[arm][key] = {
-                    "median": statistics.median(vals),
-                    "min": min(vals),
-                    "max": max(vals),
-                    "n": float(len(vals)),
-                }
+def drop_caches() -> None:
+    """The whole page cache, as `bench local`'s cold arm: what a node that has not read
+    the checkpoint (or the image) since it booted has."""
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def summarize(trials: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, dict[str, float]]]]:
+    """cache -> arm -> measure -> median, min, max, n."""
+    out: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
+    for cache in sorted({t["cache"] for t in trials}):
+        out[cache] = {}
+        for arm in ARMS:
+            mine = [t for t in trials if t["arm"] == arm and t["cache"] == cache]
+            out[cache][arm] = {}
+            for key in ("agent_ready_s", "ready_s", "first_token_s"):
+                vals = [t[key] for t in mine if t[key] is not None]
+                if vals:
+                    out[cache][arm][key] = {
+                        "median": statistics.median(vals),
+                        "min": min(vals),
+                        "max": max(vals),
+                        "n": float(len(vals)),
+                    }
     return out
 
 
 def markdown(doc: dict[str, Any]) -> str:
-    s = doc["summary"]
     rows = []
-    for key, label in (
-        ("agent_ready_s", "agent start → Ready (in the pod)"),
-        ("ready_s", "scale 0 → 1 → pod Ready"),
-        ("first_token_s", "scale 0 → 1 → first token"),
-    ):
-        a, n = s["in-pod"].get(key), s["node-agent"].get(key)
-        if not a or not n:
-            continue
-        per = {
-            arm: ", ".join(f"{t[key]:.2f}" for t in doc["trials"] if t["arm"] == arm)
+    for cache, by_arm in doc["summary"].items():
+        for key, label in (
+            ("first_token_s", "scale 0 → 1 → first token"),
+            ("ready_s", "scale 0 → 1 → pod Ready"),
+            ("agent_ready_s", "agent start → Ready (in the pod)"),
+        ):
+            a, n = by_arm["in-pod"].get(key), by_arm["node-agent"].get(key)
+            if not a or not n:
+                continue
+            per = {
+                arm: ", ".join(
+                    f"{t[key]:.2f}"
+                    for t in doc["trials"]
+                    if t["arm"] == arm and t["cache"] == cache
+                )
+                for arm in ARMS
+            }
+            rows.append(
+                [
+                    f"{cache}: {label}",
+                    f"{a['median']:.2f} ({per['in-pod']})",
+                    f"{n['median']:.2f} ({per['node-agent']})",
+                    f"{n['median'] / a['median']:.2f}",
+                ]
+            )
+    res = "; ".join(
+        f"{cache} " + ", ".join(
+            f"{arm} {t['residency']['resident_pct']:.0f}%"
             for arm in ARMS
-        }
-        rows.append(
-            [
-                label,
-                f"{a['median']:.2f} ({per['in-pod']})",
-                f"{n['median']:.2f} ({per['node-agent']})",
-                f"{n['median'] / a['median']:.2f}",
-            ]
+            for t in doc["trials"]
+            if t["arm"] == arm and t["cache"] == cache
         )
-    res = ", ".join(
-        f"{t['arm']} {t['residency']['resident_pct']:.0f}%" for t in doc["trials"][: 2 * 2]
-    )
+        for cache in doc["summary"]
+    )  # fmt: skip
     return (
         "# Restore through the node agent vs in the pod (local cluster, tiny model)\n\n"
         f"Commit {doc['commit']}{' (dirty)' if doc['dirty'] else ''}, {doc['date']}, "
         f"{doc['host'].get('cpus', '?')} CPUs; command: `{doc['command']}`.\n\n"
         "Seconds, median (per trial, in order). Same image, same spec but the storage "
-        "type; arms alternate, order rotating per trial; both checkpoints warm in the page "
-        f"cache (residency before each trial: {res}, ...).\n\n"
+        "type; arms alternate, order rotating per trial, a warm and a cold round in each "
+        "trial; cold: the whole page cache dropped just before the scale-up, for both arms. "
+        f"Checkpoint residency just before each trial: {res}.\n\n"
         + md_table(
             ["measure", "in-pod (privileged)", "node agent (unprivileged)", "node / in-pod"],
             rows,
@@ -225,6 +250,11 @@ def markdown(doc: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.cache != "warm" and os.geteuid() != 0:
+        raise SystemExit(
+            "rekindle-dev bench node-agent: the cold arm drops the page cache, which needs "
+            "root: run as root, or pass --cache warm"
+        )
     started, load0 = time.time(), os.getloadavg()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -252,22 +282,31 @@ def run(args: argparse.Namespace) -> int:
             "in-pod": Path(host) / pod_ns / NAME / Path(ck["in-pod"]["path"]).name,
             "node-agent": Path(state) / "cache" / "entries",
         }
+        caches = CACHES if args.cache == "both" else (args.cache,)
         for i in range(args.trials):
             order = ARMS if i % 2 == 0 else ARMS[::-1]
-            for arm in order:
-                ns = pod_ns if arm == "in-pod" else node_ns
-                res = residency(roots[arm])
-                t = cluster_bench.one_trial(kube, ns, NAME, NAME, "restore", i)
-                row = {**asdict(t), "arm": arm, "residency": res}
-                trials.append(row)
-                print(
-                    f"[{arm} {i + 1}/{args.trials}] agent ready {t.agent_ready_s}, pod ready "
-                    f"{t.ready_s:.2f}s, first token {t.first_token_s:.2f}s ({t.origin}) "
-                    f"resident {res['resident_pct']}%",
-                    flush=True,
-                )
-                if t.origin != "restored":
-                    raise SystemExit(f"{arm} trial {i}: {t.origin} ({t.reason}), not restored")
+            for cache in caches:
+                for arm in order:
+                    ns = pod_ns if arm == "in-pod" else node_ns
+                    res: dict[str, Any] = {}
+
+                    def prepare(arm: str = arm, cache: str = cache, res: dict = res) -> None:
+                        if cache == "cold":
+                            drop_caches()
+                        res.update(residency(roots[arm]))
+
+                    t = cluster_bench.one_trial(
+                        kube, ns, NAME, NAME, "restore", i, before_start=prepare
+                    )
+                    trials.append({**asdict(t), "arm": arm, "cache": cache, "residency": res})
+                    print(
+                        f"[{cache} {arm} {i + 1}/{args.trials}] agent ready {t.agent_ready_s}, "
+                        f"pod ready {t.ready_s:.2f}s, first token {t.first_token_s:.2f}s "
+                        f"({t.origin}) resident {res['resident_pct']}%",
+                        flush=True,
+                    )
+                    if t.origin != "restored":
+                        raise SystemExit(f"{arm} trial {i}: {t.origin} ({t.reason}), not restored")
     finally:
         for ns in (pod_ns, node_ns):
             kubectl("scale", f"rkis/{NAME}", "-n", ns, "--replicas=0", check=False)
@@ -311,4 +350,10 @@ def run(args: argparse.Namespace) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trials", type=int, default=5, help="trials per arm (median of these)")
+    p.add_argument(
+        "--cache",
+        choices=("both", *CACHES),
+        default="both",
+        help="page cache before each trial: warm, cold (dropped), or both interleaved",
+    )
     p.add_argument("--out", default="docs/bench/node-agent")

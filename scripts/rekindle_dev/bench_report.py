@@ -778,7 +778,8 @@ NODE_AGENT_NOTE = """\
 Not like for like in one respect, by design: the in-pod arm hashes every
 checkpoint file (BLAKE3) in the restoring pod, the node-agent arm does not (the
 node agent verified every byte into root-only storage when the checkpoint
-entered its cache, and the pod reads that copy); both arms read warm files.
+entered its cache, and the pod reads that copy). Warm: both arms' files in the
+page cache; cold: the whole page cache dropped before each scale-up, both arms.
 The pod-level figures include the kubelet's 1 s readiness-probe period.
 
 """

@@ -266,6 +266,7 @@ def test_a_published_entry_comes_back_by_descriptor_with_the_same_content(
     """publish() writes an entry out whole (holes kept, bookkeeping left behind); a cache
     that lacks it takes it back through a descriptor, checked like any source."""
     v = cache.get(publish(tmp_path / "pub"), KEY)
+    cache.mark_verified(v.entry, {"restore_seconds": 1.0}, KEY)
     shared = tmp_path / "shared"
     shared.mkdir()
     parent = _dir_fd(shared)
@@ -289,6 +290,8 @@ def test_a_published_entry_comes_back_by_descriptor_with_the_same_content(
         os.close(src)
     assert back.copied is True and back.entry == v.entry
     assert (back.path / "images" / "pages-1.img").read_bytes() == PAGES
+    # Proven before it was published: the copy says so, from the signed record only.
+    assert manifest_io.is_verified(back.path, back.manifest)
     assert other.report()[0].source == "pod:/ckpt-1"
 
 

@@ -17,11 +17,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from rekindle_contract.manifest import VERIFIED_NAME
+
 from rekindle_store import verified_copy
 from rekindle_store.verified_copy import CopyError
 
-# Files of a cache entry that are the cache's own bookkeeping, never published.
-PRIVATE_NAMES = frozenset({".entry.json"})
+# Files of a cache entry never published: the cache's own bookkeeping, and the proof
+# marker (unsigned; a pull writes it again from the manifest's signed record).
+PRIVATE_NAMES = frozenset({".entry.json", VERIFIED_NAME})
 _DIR_MODE = 0o755
 _FILE_MODE = 0o444
 

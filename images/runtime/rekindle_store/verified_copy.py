@@ -17,6 +17,7 @@ an unlisted file in the source is never copied, so it cannot be used.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import stat
 import time
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
-from rekindle_contract.manifest import MANIFEST_NAME, FileEntry, Manifest
+from rekindle_contract.manifest import MANIFEST_NAME, VERIFIED_NAME, FileEntry, Manifest
 
 from rekindle_store import digests, manifest_io
 
@@ -259,12 +260,12 @@ def copy_verified(
             sizes = list(pool.map(lambda e: copy_file(dir_fd, e, staging, where, signed), entries))
     finally:
         os.close(dir_fd)
-    man = staging / MANIFEST_NAME
-    fd = os.open(man, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o444)
-    try:
-        os.write(fd, raw)
-    finally:
-        os.close(fd)
+    _write_new(staging / MANIFEST_NAME, raw)
+    if key is not None and isinstance(manifest.get("verified"), dict):
+        # The proof marker a restore looks for, from the manifest's signed record (the
+        # source's marker file is not signed, so it is never copied).
+        record = json.dumps(manifest["verified"], sort_keys=True) + "\n"
+        _write_new(staging / VERIFIED_NAME, record.encode())
     return CopyResult(
         manifest=manifest,
         manifest_bytes=raw,
@@ -272,6 +273,14 @@ def copy_verified(
         bytes=sum(sizes),
         seconds=time.monotonic() - t0,
     )
+
+
+def _write_new(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o444)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
 
 
 def open_dir_below(root_fd: int, path: str, where: str) -> int:

@@ -615,9 +615,9 @@ def build_cleanup_job(
     node and image are recorded in the Checkpoint's status, so this works
     after the InferenceService is gone too. A hostPath volume is a directory
     of one node: the Job runs on the node the checkpointed pod ran on.
-    written_by_node_agent: a copy the node agent published (root-owned, never
-    immutable), in a namespace that may enforce Pod Security baseline: the Job
-    runs as root, the files' owner, with no capability at all.
+    written_by_node_agent: a copy the node agent published (owned by the pods'
+    user, never immutable), in a namespace that may enforce Pod Security
+    baseline: the Job runs as that user with no capability at all.
     """
     if not path.startswith(CHECKPOINT_MOUNT + "/") or ".." in path.split("/"):
         raise ValueError(f"refusing to delete {path!r}: not below {CHECKPOINT_MOUNT}")
@@ -682,7 +682,9 @@ def _cleanup_security(written_by_node_agent: bool) -> Obj:
         return {
             "allowPrivilegeEscalation": False,
             "privileged": False,
-            "runAsUser": 0,
+            "runAsNonRoot": True,
+            "runAsUser": NODE_MODE_UID,
+            "runAsGroup": NODE_MODE_UID,
             "capabilities": {"drop": ["ALL"]},
             "seccompProfile": {"type": "RuntimeDefault"},
         }

@@ -484,13 +484,14 @@ def test_a_node_mode_service_boots_checkpoints_and_restores_unprivileged(
     )
     assert done["status"]["phase"] == "Ready", done["status"]
     assert done["status"]["verified"] is True
-    # Published once proven: root's files on the shared claim, the manifest the node signed.
+    # Published once proven: the pod's read-only files on the shared claim, the manifest
+    # the node signed.
     copy = data_dir(shared_storage, done)
     manifest = json.loads((copy / "manifest.json").read_bytes())
     assert manifest["identity"]["namespace"] == ns and "signature" in manifest
     assert manifest.get("verified"), "published before it was proven"
     pages = max(copy.rglob("pages-*.img"), key=lambda p: p.stat().st_size)
-    assert (pages.stat().st_uid, stat.S_IMODE(pages.stat().st_mode)) == (0, 0o444)
+    assert (pages.stat().st_uid, stat.S_IMODE(pages.stat().st_mode)) == (65534, 0o444)
 
     obj = _restart(ns, "restored")
     assert obj["status"]["pods"][0]["memory"] == "mmap", obj["status"]["pods"]

@@ -404,8 +404,9 @@ def test_node_mode_publishing_puts_the_claim_where_the_scratch_was() -> None:
 
 
 def test_cleanup_of_a_node_agents_copy_needs_no_capability() -> None:
-    """What the node agent published is root-owned and never immutable: the Job removes
-    it as root with every capability dropped (Pod Security baseline admits it)."""
+    """What the node agent published belongs to the pods' user and is never immutable:
+    the Job removes it as that user with every capability dropped (Pod Security
+    restricted would admit it)."""
     s = tiny(coldStart={"storage": {"type": "node", "node": {"publish": "pvc"}}})
     job = b.build_cleanup_job(
         "ns",
@@ -417,7 +418,8 @@ def test_cleanup_of_a_node_agents_copy_needs_no_capability() -> None:
         written_by_node_agent=True,
     )
     sc = job["spec"]["template"]["spec"]["containers"][0]["securityContext"]
-    assert sc["capabilities"] == {"drop": ["ALL"]} and sc["runAsUser"] == 0
+    assert sc["capabilities"] == {"drop": ["ALL"]} and sc["runAsUser"] == 65534
+    assert sc["runAsNonRoot"] is True
     assert sc["allowPrivilegeEscalation"] is False and sc["privileged"] is False
     agents = b.build_cleanup_job(
         "ns", "c1", "u1", f"{CHECKPOINT_MOUNT}/c1-u1", b.checkpoint_volume(tiny()), s.image

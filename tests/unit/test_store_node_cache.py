@@ -271,7 +271,7 @@ def test_a_published_entry_comes_back_by_descriptor_with_the_same_content(
     shared.mkdir()
     parent = _dir_fd(shared)
     try:
-        done = published.publish(v.path, parent, "ckpt-1", str(shared))
+        done = published.publish(v.path, parent, "ckpt-1", str(shared), owner=(65534, 65534))
         with pytest.raises(CopyError, match="published once"):
             published.publish(v.path, parent, "ckpt-1", str(shared))
     finally:
@@ -281,6 +281,8 @@ def test_a_published_entry_comes_back_by_descriptor_with_the_same_content(
     assert not (out / node_cache.ENTRY_RECORD).exists()
     assert [p.name for p in shared.iterdir()] == ["ckpt-1"]  # no partial directory left
     assert stat.S_IMODE((out / "images" / "pages-1.img").stat().st_mode) == 0o444
+    owners = {(p.stat().st_uid, p.stat().st_gid) for p in [out, *out.rglob("*")]}
+    assert owners == {(65534, 65534)}, owners  # the pod's storage: the pod may remove it
 
     other = NodeCache(tmp_path / "other", budget_bytes=8 << 20)
     src = _dir_fd(out)

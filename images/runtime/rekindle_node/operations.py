@@ -235,7 +235,8 @@ class Operations:
 
     def publish(self, caller: Caller, req: Request) -> dict[str, Any]:
         """Copy checkpoint args.name to args.dir in the caller's pod (its shared checkpoint
-        volume): a new directory, written by root, the manifest signed as it is.
+        volume): a new directory, owned by the caller's user (the pod's storage; nothing
+        runs from it), the manifest signed as it is.
 
         What is published is for transport only: it comes back into a cache (this
         node's after an eviction or a reboot, later another node's) through pull.
@@ -244,7 +245,9 @@ class Operations:
         parent, base = _pod_dir_arg(req)
         parent_fd = self._pod_dir(caller, parent)
         try:
-            done = published.publish(entry.path, parent_fd, base, f"pod:{parent}")
+            done = published.publish(
+                entry.path, parent_fd, base, f"pod:{parent}", owner=(caller.uid, caller.gid)
+            )
         finally:
             os.close(parent_fd)
         return {"checkpoint": entry.entry, "bytes": done.bytes, "seconds": done.seconds}

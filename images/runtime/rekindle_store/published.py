@@ -36,12 +36,16 @@ class Published:
     seconds: float
 
 
-def publish(entry: Path, parent_fd: int, name: str, where: str) -> Published:
+def publish(
+    entry: Path, parent_fd: int, name: str, where: str, owner: tuple[int, int] | None = None
+) -> Published:
     """Copy the checkpoint directory entry to name below parent_fd (created, must not exist).
 
     parent_fd: a directory opened without following links (where names it in
-    errors). Holes stay holes. Raises CopyError when name exists or is not a
-    plain name.
+    errors). owner: (uid, gid) the copy is given to, the pod whose storage it
+    is (its files stay read-only; it may remove them, as it may the directory
+    it could always rename). Holes stay holes. Raises CopyError when name
+    exists or is not a plain name.
     """
     if not name or "/" in name or name in (".", ".."):
         raise CopyError("bad_request", f"{where}/{name}: a plain directory name is needed")
@@ -53,7 +57,9 @@ def publish(entry: Path, parent_fd: int, name: str, where: str) -> Published:
     try:
         tmp_fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent_fd)
         try:
-            files, size = _copy_tree(entry, tmp_fd)
+            files, size = _copy_tree(entry, tmp_fd, owner)
+            if owner is not None:
+                os.fchown(tmp_fd, *owner)
         finally:
             os.close(tmp_fd)
         os.rename(tmp, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
@@ -71,7 +77,7 @@ def _exists(parent_fd: int, name: str) -> bool:
     return True
 
 
-def _copy_tree(src: Path, dst_fd: int) -> tuple[int, int]:
+def _copy_tree(src: Path, dst_fd: int, owner: tuple[int, int] | None) -> tuple[int, int]:
     files = size = 0
     for child in sorted(src.iterdir()):
         if child.name in PRIVATE_NAMES:
@@ -81,22 +87,26 @@ def _copy_tree(src: Path, dst_fd: int) -> tuple[int, int]:
             os.mkdir(child.name, _DIR_MODE, dir_fd=dst_fd)
             sub = os.open(child.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dst_fd)
             try:
-                f, b = _copy_tree(child, sub)
+                f, b = _copy_tree(child, sub, owner)
+                if owner is not None:
+                    os.fchown(sub, *owner)
             finally:
                 os.close(sub)
             files, size = files + f, size + b
         elif stat.S_ISREG(st.st_mode):
-            size += _copy_file(child, dst_fd)
+            size += _copy_file(child, dst_fd, owner)
             files += 1
     return files, size
 
 
-def _copy_file(src: Path, dst_fd: int) -> int:
+def _copy_file(src: Path, dst_fd: int, owner: tuple[int, int] | None) -> int:
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     fd_in = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         fd_out = os.open(src.name, flags, _FILE_MODE, dir_fd=dst_fd)
         try:
+            if owner is not None:
+                os.fchown(fd_out, *owner)
             return verified_copy.copy_sparse(fd_in, fd_out)
         finally:
             os.close(fd_out)

@@ -11,8 +11,8 @@ cluster, from the same runtime image and the same spec but for where CRIU runs:
 Each is booted and checkpointed once; then every trial scales one of them 0 -> 1
 and times it as `kubectl rekindle bench` does (pod Ready, first token through the
 Service, agent start to Ready on the agent's clock), the arms alternating and
-their order rotating per trial. Page cache (--cache): warm, both checkpoints were
-just written on this node and are read by every trial; cold, the whole page cache
+their order rotating per trial. Page cache (--cache): warm, the arm's checkpoint
+files are read whole just before the scale-up (both arms); cold, the whole page cache
 is dropped (`echo 3 > /proc/sys/vm/drop_caches`, as `bench local` does) just
 before the scale-up, for both arms alike; both (the default) interleaves a warm
 and a cold round in every trial. The residency of each arm's checkpoint files is
@@ -177,6 +177,16 @@ def drop_caches() -> None:
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
+def read_all(files_root: Path) -> None:
+    """Warm means warm for both arms: every checkpoint file read into the page cache
+    (a cold round before drops them, and a restore reads only what it touches)."""
+    for f in sorted(files_root.rglob("*")):
+        if f.is_file() and not f.is_symlink():
+            with f.open("rb", buffering=0) as fh:
+                while fh.read(8 << 20):
+                    pass
+
+
 def summarize(trials: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, dict[str, float]]]]:
     """cache -> arm -> measure -> median, min, max, n."""
     out: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
@@ -293,6 +303,8 @@ def run(args: argparse.Namespace) -> int:
                     def prepare(arm: str = arm, cache: str = cache, res: dict = res) -> None:
                         if cache == "cold":
                             drop_caches()
+                        else:
+                            read_all(roots[arm])
                         res.update(residency(roots[arm]))
 
                     t = cluster_bench.one_trial(

@@ -249,7 +249,9 @@ class Agent:
 
         try:
             readable = self.backend.readable(ckpt)
-            early = self.early.take_prefetcher(ckpt) if readable == ckpt else None
+            # Through the node agent the early prefetch read the same verified entry through
+            # a descriptor of its own (readable is the restore's).
+            early = self.early.take_prefetcher(ckpt)
             phases, memory = restore.restore(
                 readable,
                 self.vllm,

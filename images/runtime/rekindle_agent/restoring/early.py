@@ -17,15 +17,18 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
+from rekindle_contract import node_api
 from rekindle_contract.manifest import Manifest
 from rekindle_store import manifest_io
 
 from rekindle_agent.checkpointing import criu, fingerprint
+from rekindle_agent.checkpointing.criu_backend import SOCKET_WAIT_S
 from rekindle_agent.config import AgentConfig
 from rekindle_agent.restoring import kdat_cache, prefetch
 from rekindle_agent.supervision.vllm_launch import vllm_command
@@ -61,10 +64,12 @@ class EarlyStart:
     def begin(self, cfg: AgentConfig) -> None:
         """Start prefetching cfg's checkpoint (if it will be restored), probing its CRIU and
         fingerprinting this environment."""
-        # Through the node agent, a restore reads the node's verified copy, not the path
-        # (at most a published copy there, which only the node agent may read in).
         restoring = cfg.restore_from and cfg.restore_policy != "never"
-        if restoring and cfg.prefetch and not cfg.node_socket:
+        if restoring and cfg.prefetch and cfg.node_socket:
+            # Through the node agent a restore reads the node's verified copy, never the
+            # path (at most a published copy there, which only the node agent reads in).
+            _in_background("prefetch", self._start_node_prefetch, Path(cfg.restore_from or ""), cfg)
+        elif restoring and cfg.prefetch:
             self._start_prefetch(Path(cfg.restore_from or ""), cfg)
         with self._lock:
             if cfg.criu not in self._probes:
@@ -91,6 +96,35 @@ class EarlyStart:
         pre = prefetch.Prefetcher(
             ckpt, man["files"], threads=cfg.prefetch_threads, verify=cfg.verify_checksums
         )
+        with self._lock:
+            self._prefetchers[str(ckpt)] = (man, pre)
+
+    def _start_node_prefetch(self, ckpt: Path, cfg: AgentConfig) -> None:
+        """Warm the node's verified copy of ckpt, if this node holds it, while the agent
+        starts: the restore's own `open` finds the same entry (named by its content).
+        A checkpoint the node must pull first is left to the restore."""
+        deadline = time.monotonic() + SOCKET_WAIT_S
+        socket = cfg.node_socket or ""
+        while not os.path.exists(socket) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        try:
+            _answer, fd = node_api.call(
+                socket, "open", cfg.pod_uid or "", {"name": str(ckpt)}, timeout=30
+            )
+        except (node_api.NodeAgentError, OSError) as e:
+            log.info("not prefetching %s early: %s", ckpt, e)
+            return
+        if fd is None:
+            return
+        root = Path(f"/proc/{os.getpid()}/fd/{fd}")  # held for the agent's life
+        try:
+            man = manifest_io.read(root, None, cfg.run_dir)  # verified by the node agent
+        except (manifest_io.ManifestError, OSError) as e:
+            log.info("not prefetching %s early: %s", ckpt, e)
+            os.close(fd)
+            return
+        # Verified into root-only storage: the prefetcher only warms it.
+        pre = prefetch.Prefetcher(root, man["files"], threads=cfg.prefetch_threads, verify="size")
         with self._lock:
             self._prefetchers[str(ckpt)] = (man, pre)
 

@@ -61,6 +61,15 @@ class AgentArgs:
     token_file: str = _opt("bearer token file of the admin API", default=TOKEN_FILE)
     run_dir: str = _opt("vLLM's log and TMPDIR; same path in every pod", default=RUN_DIR)
     restore_from: str | None = _opt("checkpoint directory to restore from at start", default=None)
+    restore_signature: str | None = _opt(
+        "the operator's signature of --restore-from (rekindle_contract.restore_pointer)",
+        default=None,
+    )
+    service_uid: str | None = _opt(
+        "UID of the InferenceService this pod serves; set, --restore-from is only used with "
+        "a valid --restore-signature for it, directly below --checkpoint-root",
+        default=None,
+    )
     checkpoint_root: str | None = _opt(
         "POST /v1/checkpoint only writes below this directory", default=None
     )

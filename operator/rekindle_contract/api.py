@@ -63,6 +63,7 @@ FALLBACK_REASONS = (
     "verify_failed",
     "signature_invalid",  # unsigned, altered, or signed with another service's key
     "prefetch_timeout",  # the content check did not finish within --prefetch-timeout
+    "pointer_refused",  # the restore pointer lacks the operator's valid signature
 )
 
 # Why a checkpoint failed (status.last_checkpoint.reason). Whatever the reason,

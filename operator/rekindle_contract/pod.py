@@ -35,6 +35,11 @@ CRIU_ENV = "REKINDLE_CRIU"
 # key, so pointing new replicas at a newer checkpoint does not roll the
 # running ones (env is resolved at container start). Empty: boot normally.
 CHECKPOINT_ENV = "REKINDLE_CHECKPOINT"
+# The operator's signature of that pointer (rekindle_contract.restore_pointer),
+# from the same ConfigMap, and the InferenceService's UID it is bound to. A pod
+# with SERVICE_UID_ENV set restores only from a pointer with a valid signature.
+CHECKPOINT_SIGNATURE_ENV = "REKINDLE_CHECKPOINT_SIGNATURE"
+SERVICE_UID_ENV = "REKINDLE_SERVICE_UID"
 CHECKPOINT_MOUNT = "/var/lib/rekindle/checkpoints"
 
 # vLLM's log and TMPDIR: the same path in every pod, so a restored tree finds

@@ -11,7 +11,7 @@ through after `--`.
 from __future__ import annotations
 
 from rekindle_contract.agent_args import CUDA_PLUGIN_DIR, AgentArgs, agent_argv
-from rekindle_contract.pod import CHECKPOINT_ENV, CHECKPOINT_MOUNT
+from rekindle_contract.pod import CHECKPOINT_MOUNT
 
 from rekindle_operator import admin_tls
 from rekindle_operator.quantity import gib_float
@@ -36,8 +36,9 @@ def agent_args(spec: IsvcSpec) -> AgentArgs:
         kv_offload_gb=gib_float(spec.kv_offload_bytes) if spec.kv_offload_bytes else None,
         kv_store_dir=KV_STORE_MOUNT if spec.kv_store else None,
         checkpoint_root=CHECKPOINT_MOUNT,
-        # Kubernetes expands $(VAR) from the container's env when it starts it.
-        restore_from=f"$({CHECKPOINT_ENV})",
+        # The checkpoint to restore from comes by env from the restore pointer
+        # (CHECKPOINT_ENV, with its signature), never through argv: a value that
+        # starts with "-" would be read as a flag.
         restore_policy=_RESTORE_POLICY[spec.restore_policy],
         prefetch=spec.prefetch,
         keep_resident_mb=spec.keep_resident_bytes >> 20,

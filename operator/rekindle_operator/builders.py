@@ -11,6 +11,7 @@ import secrets
 from collections.abc import Mapping
 from typing import Any
 
+from rekindle_contract import restore_pointer
 from rekindle_contract.api import ADMIN_PORT, PATH_HEALTHZ, PATH_READYZ, SERVE_PORT
 from rekindle_contract.pod import (
     API_KEY_DIR,
@@ -19,6 +20,7 @@ from rekindle_contract.pod import (
     API_KEY_KEY,
     CHECKPOINT_ENV,
     CHECKPOINT_MOUNT,
+    CHECKPOINT_SIGNATURE_ENV,
     IMAGE_ENV,
     LOOPBACK_ENV,
     NODE_SOCKET,
@@ -27,6 +29,7 @@ from rekindle_contract.pod import (
     NODE_SOCKET_VOLUME,
     POD_UID_ENV,
     RUN_DIR,
+    SERVICE_UID_ENV,
     SIGNING_KEY_ENV,
     SIGNING_KEY_FILE,
     SIGNING_KEY_KEY,
@@ -154,14 +157,22 @@ def build_signing_secret(
 
 
 def build_configmap(
-    spec: IsvcSpec, checkpoint_path: str, owner: Mapping[str, Any] | None = None
+    spec: IsvcSpec,
+    checkpoint_path: str,
+    owner: Mapping[str, Any] | None = None,
+    signature: str = "",
 ) -> Obj:
-    """Names the checkpoint new pods restore from ("" boots normally)."""
+    """Names the checkpoint new pods restore from ("" boots normally), with the
+    operator's signature of it (rekindle_contract.restore_pointer)."""
+    restore = spec.restore_policy != "Never" and bool(checkpoint_path)
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _meta(spec, configmap_name(spec.name), owner, "restore-pointer"),
-        "data": {"checkpoint": checkpoint_path if spec.restore_policy != "Never" else ""},
+        "data": {
+            restore_pointer.PATH_KEY: checkpoint_path if restore else "",
+            restore_pointer.SIGNATURE_KEY: signature if restore else "",
+        },
     }
 
 
@@ -296,9 +307,14 @@ def _probe(path: str, spec: IsvcSpec, **timing: int) -> Obj:
     return {"httpGet": get, **timing}
 
 
-def build_pod_template(spec: IsvcSpec, shm_bytes: int, fingerprint: str) -> Obj:
-    """The pod the operator owns, with the user's spec.podTemplate and spec.envFrom merged in."""
-    template = _operator_pod_template(spec, shm_bytes, fingerprint)
+def build_pod_template(
+    spec: IsvcSpec, shm_bytes: int, fingerprint: str, service_uid: str = ""
+) -> Obj:
+    """The pod the operator owns, with the user's spec.podTemplate and spec.envFrom merged in.
+
+    service_uid: the InferenceService's UID; its pods restore only from a restore
+    pointer the operator signed for it."""
+    template = _operator_pod_template(spec, shm_bytes, fingerprint, service_uid)
     container = template["spec"]["containers"][0]
     if spec.env_from:
         # Explicit env wins over envFrom in Kubernetes: the operator's variables
@@ -319,7 +335,9 @@ def _user_env(spec: IsvcSpec) -> list[Obj]:
     return env
 
 
-def _operator_pod_template(spec: IsvcSpec, shm_bytes: int, fingerprint: str) -> Obj:
+def _operator_pod_template(
+    spec: IsvcSpec, shm_bytes: int, fingerprint: str, service_uid: str
+) -> Obj:
     env = _user_env(spec)
     # Set by the operator (spec.env may not name them: spec.MANAGED_ENV). The
     # agent reads them as it reads its flags; env is understood by every agent
@@ -331,18 +349,20 @@ def _operator_pod_template(spec: IsvcSpec, shm_bytes: int, fingerprint: str) -> 
     ]
     if spec.api_key_secret:
         env.append({"name": API_KEY_ENV, "value": API_KEY_FILE})
-    env.append(
+    env += [
         {
-            "name": CHECKPOINT_ENV,
+            "name": name,
             "valueFrom": {
-                "configMapKeyRef": {
-                    "name": configmap_name(spec.name),
-                    "key": "checkpoint",
-                    "optional": True,
-                }
+                "configMapKeyRef": {"name": configmap_name(spec.name), "key": key, "optional": True}
             },
         }
-    )
+        for name, key in (
+            (CHECKPOINT_ENV, restore_pointer.PATH_KEY),
+            (CHECKPOINT_SIGNATURE_ENV, restore_pointer.SIGNATURE_KEY),
+        )
+    ]
+    if service_uid:  # the agent then restores only from a pointer signed for this service
+        env.append({"name": SERVICE_UID_ENV, "value": service_uid})
     container: Obj = {
         "name": CONTAINER,
         "image": spec.image,
@@ -571,7 +591,8 @@ def build_deployment(
     they prefer it (checkpoint_storage.prefer_node). The template changes when it
     does, so the first checkpoint on a node rolls the replicas onto restored ones.
     """
-    template = build_pod_template(spec, shm_bytes, fingerprint)
+    uid = str(((owner or {}).get("metadata") or {}).get("uid") or "")
+    template = build_pod_template(spec, shm_bytes, fingerprint, uid)
     prefer_node(template["spec"], restore_node)
     return {
         "apiVersion": "apps/v1",

@@ -7,10 +7,13 @@ one-time values (the token, the PVC).
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from rekindle_contract import restore_pointer
 from rekindle_contract.api import SERVE_PORT
+from rekindle_contract.pod import SIGNING_KEY_KEY
 
 from rekindle_operator import admin_tls
 from rekindle_operator import builders as b
@@ -42,13 +45,28 @@ def spec_of(body: Body) -> IsvcSpec:
     )
 
 
+def signing_key(kube: Kube, spec: IsvcSpec) -> bytes | None:
+    """The service's signing key, as its agents read it (whitespace stripped)."""
+    sec = kube.get("Secret", spec.namespace, b.signing_secret_name(spec.name)) or {}
+    value = (sec.get("data") or {}).get(SIGNING_KEY_KEY)
+    return base64.b64decode(value).strip() if value else None
+
+
 def update_pointer(
     kube: Kube, body: Body, spec: IsvcSpec, checkpoints: list[dict[str, Any]]
 ) -> str | None:
-    """Point new replicas at the newest usable checkpoint; returns its name if they will use it."""
+    """Point new replicas at the newest usable checkpoint, signed for this service
+    (rekindle_contract.restore_pointer); returns its name if they will use it."""
     best = newest_usable(checkpoints, spec.name, spec_fingerprint(spec))
-    path = str(best["status"]["path"]) if best else ""
-    kube.apply(b.build_configmap(spec, path, owner=body))
+    path, signature = "", ""
+    key = signing_key(kube, spec) if best else None
+    if best is not None and key is not None:
+        path = str(best["status"]["path"])
+        service_uid = str(body["metadata"].get("uid") or "")
+        signature = restore_pointer.sign(key, path, service_uid, best["metadata"]["uid"])
+    elif best is not None:
+        best = None  # no key yet (ensure_secrets runs first): nothing to sign with
+    kube.apply(b.build_configmap(spec, path, owner=body, signature=signature))
     if best is None or spec.restore_policy == "Never":
         return None
     return str(best["metadata"]["name"])
@@ -92,6 +110,12 @@ def admin_tls_problem(kube: Kube, spec: IsvcSpec) -> str | None:
     return None if problem is None else f"{problem}; the Deployment is not updated until then"
 
 
+def ensure_secrets(kube: Kube, body: Body, spec: IsvcSpec) -> None:
+    """The agents' token and the signing key, generated once (the pointer needs the key)."""
+    kube.create_if_absent(b.build_secret(spec, owner=body))
+    kube.create_if_absent(b.build_signing_secret(spec, owner=body))
+
+
 def ensure_objects(
     kube: Kube,
     body: Body,
@@ -101,13 +125,11 @@ def ensure_objects(
     deployment: bool = True,
     node: str = "",
 ) -> None:
-    """Everything the InferenceService owns; the Deployment only when deployment is True.
+    """Everything else the InferenceService owns; the Deployment only when deployment is True.
 
     node: where the hostPath checkpoint new pods restore from lives (preferred for them).
     """
     settings = settings or Settings()
-    kube.create_if_absent(b.build_secret(spec, owner=body))
-    kube.create_if_absent(b.build_signing_secret(spec, owner=body))
     if settings.network_policy:
         kube.apply(
             b.build_network_policy(
@@ -248,7 +270,8 @@ def reconcile(
     in_use = None
     tls_error = admin_tls_problem(kube, spec)
     if shm_error is None:
-        # The pointer first: a pod the Deployment change starts must see it.
+        # The pointer before the Deployment: a pod the Deployment change starts must see it.
+        ensure_secrets(kube, body, spec)
         in_use = update_pointer(kube, body, spec, checkpoints)
         ensure_objects(
             kube,

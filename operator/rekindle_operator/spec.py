@@ -14,7 +14,9 @@ from typing import Any
 from rekindle_contract.pod import (
     API_KEY_ENV,
     CHECKPOINT_ENV,
+    CHECKPOINT_SIGNATURE_ENV,
     IMAGE_ENV,
+    SERVICE_UID_ENV,
     SIGNING_KEY_ENV,
     TOKEN_ENV,
 )
@@ -28,7 +30,16 @@ from rekindle_operator.spec_error import SpecError
 
 DEFAULT_IMAGE = "rekindle.local/runtime-cpu:dev"
 # Pod env the operator sets itself: spec.env may not name these.
-MANAGED_ENV = (CHECKPOINT_ENV, IMAGE_ENV, SIGNING_KEY_ENV, API_KEY_ENV, TOKEN_ENV, MM_AUTO_ENV)
+MANAGED_ENV = (
+    CHECKPOINT_ENV,
+    CHECKPOINT_SIGNATURE_ENV,
+    SERVICE_UID_ENV,
+    IMAGE_ENV,
+    SIGNING_KEY_ENV,
+    API_KEY_ENV,
+    TOKEN_ENV,
+    MM_AUTO_ENV,
+)
 
 
 @dataclass(frozen=True)

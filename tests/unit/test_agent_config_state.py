@@ -71,6 +71,8 @@ def test_every_setting_round_trips_through_agent_argv(monkeypatch: pytest.Monkey
         token_file="/secrets/token",
         run_dir="/run/rekindle",
         restore_from="/ckpt/c1",
+        restore_signature="v1:0d5a6c7e:00",
+        service_uid="5e1f0c2a-2222-4a3b-9c2d-0123456789ab",
         checkpoint_root="/ckpt",
         restore_policy="require",
         criu="/opt/criu/bin/criu",
@@ -114,28 +116,24 @@ def test_every_setting_round_trips_through_agent_argv(monkeypatch: pytest.Monkey
     assert dataclasses.asdict(cfg) == dataclasses.asdict(args)
 
 
-def test_operator_like_argv_with_unexpanded_checkpoint_var() -> None:
-    """A pod's argv: Kubernetes expands $(REKINDLE_CHECKPOINT) from the env, or leaves it."""
-    args = AgentArgs(
-        model="/models/m",
-        served_name="m",
-        restore_from=f"$({CHECKPOINT_ENV})",
-        checkpoint_root="/var/lib/rekindle/checkpoints",
-        prefetch=False,
-        vllm_args=["--max-num-seqs", "8"],
+def test_the_checkpoint_to_restore_comes_from_the_pods_env() -> None:
+    """The operator's argv names no checkpoint: REKINDLE_CHECKPOINT (from the restore
+    pointer's ConfigMap key, optional) does; unset or empty means boot."""
+    argv = agent_argv(
+        AgentArgs(
+            model="/models/m",
+            served_name="m",
+            checkpoint_root="/var/lib/rekindle/checkpoints",
+            prefetch=False,
+            vllm_args=["--max-num-seqs", "8"],
+        )
     )
-    argv = agent_argv(args)
-    assert argv[argv.index("--restore-from") + 1] == "$(REKINDLE_CHECKPOINT)"
-    # The ConfigMap key is missing: the variable is unset and stays unexpanded.
+    assert "--restore-from" not in argv
     cfg = _parse_command(argv)
     assert cfg.restore_from is None and cfg.prefetch is False
     assert cfg.vllm_args == ["--max-num-seqs", "8"]
-    # Set but empty: no checkpoint either. Set: that directory.
-    assert (
-        _parse_command([a.replace("$(REKINDLE_CHECKPOINT)", "") for a in argv]).restore_from is None
-    )
-    expanded = [a.replace("$(REKINDLE_CHECKPOINT)", "/ckpt/c2") for a in argv]
-    assert _parse_command(expanded).restore_from == "/ckpt/c2"
+    assert _parse_command(argv, {CHECKPOINT_ENV: ""}).restore_from is None
+    assert _parse_command(argv, {CHECKPOINT_ENV: "/ckpt/c2"}).restore_from == "/ckpt/c2"
 
 
 @pytest.mark.parametrize(

@@ -14,12 +14,14 @@ from rekindle_contract.pod import (
     API_KEY_KEY,
     CHECKPOINT_ENV,
     CHECKPOINT_MOUNT,
+    CHECKPOINT_SIGNATURE_ENV,
     IMAGE_ENV,
     NODE_SOCKET,
     NODE_SOCKET_DIR,
     NODE_SOCKET_ENV,
     NODE_SOCKET_VOLUME,
     POD_UID_ENV,
+    SERVICE_UID_ENV,
     SIGNING_KEY_ENV,
     SIGNING_KEY_FILE,
     SIGNING_KEY_KEY,
@@ -113,7 +115,8 @@ def test_agent_is_entrypoint_with_shm_cache_settings() -> None:
     assert "--" not in cmd  # no user vLLM flags; the operator writes none itself
     assert cmd[cmd.index("--mm-shm-cache-gb") + 1] == "0.5"
     assert cmd[cmd.index("--mm-shm-max-object-mb") + 1] == "64"
-    assert cmd[cmd.index("--restore-from") + 1] == f"$({CHECKPOINT_ENV})"
+    # The restore pointer comes by env, never argv (a value starting with "-" is a flag).
+    assert "--restore-from" not in cmd and not any(CHECKPOINT_ENV in a for a in cmd)
     assert cmd[cmd.index("--checkpoint-root") + 1] == CHECKPOINT_MOUNT
     assert agent_args(tiny()).device == "cpu" and "--device" not in cmd  # the agent's default
     vllm = vllm_of(tiny())
@@ -173,14 +176,20 @@ def test_mm_cache_off_has_no_shm_flags() -> None:
     assert "--mm-processor-cache-type" not in vllm_of(s)
 
 
-def test_checkpoint_pointer_comes_from_configmap_env() -> None:
+def test_checkpoint_pointer_comes_from_configmap_env_signed_for_the_service() -> None:
     env = {e["name"]: e for e in container(deployment(tiny()))["env"]}
-    ref = env[CHECKPOINT_ENV]["valueFrom"]["configMapKeyRef"]
-    assert ref["name"] == b.configmap_name("tiny")
-    cm = b.build_configmap(tiny(), "/p/x", OWNER)
-    assert cm["data"]["checkpoint"] == "/p/x"
+    for name, key in ((CHECKPOINT_ENV, "checkpoint"), (CHECKPOINT_SIGNATURE_ENV, "signature")):
+        ref = env[name]["valueFrom"]["configMapKeyRef"]
+        assert (ref["name"], ref["key"], ref["optional"]) == (b.configmap_name("tiny"), key, True)
+    # The owner's UID binds the signature: the agent checks it against this value.
+    assert env[SERVICE_UID_ENV] == {"name": SERVICE_UID_ENV, "value": OWNER["metadata"]["uid"]}
+    cm = b.build_configmap(tiny(), "/p/x", OWNER, signature="v1:u:ab")
+    assert cm["data"] == {"checkpoint": "/p/x", "signature": "v1:u:ab"}
     never = tiny(coldStart={"restorePolicy": "Never"})
-    assert b.build_configmap(never, "/p/x")["data"]["checkpoint"] == ""
+    assert b.build_configmap(never, "/p/x", signature="v1:u:ab")["data"] == {
+        "checkpoint": "",
+        "signature": "",
+    }
 
 
 def test_service_requires_serving_label_deployment_does_not() -> None:

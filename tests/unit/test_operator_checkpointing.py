@@ -11,7 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
+from rekindle_contract import restore_pointer
 from rekindle_contract.api import StatusReply
+from rekindle_contract.pod import CHECKPOINT_MOUNT
 from rekindle_operator import builders as b
 from rekindle_operator import checkpointing as cp
 from rekindle_operator.kube import KubeError
@@ -249,6 +251,9 @@ def pod_obj(
     }
 
 
+SIGNING_KEY = b"k" * 48
+
+
 def world() -> tuple[FakeKube, Events]:
     kube = FakeKube()
     kube.put(isvc_obj("tiny"))
@@ -261,6 +266,17 @@ def world() -> tuple[FakeKube, Events]:
                 "ownerReferences": [{"uid": "uid-tiny", "controller": True}],
             },
             "data": {"token": base64.b64encode(b"tok").decode()},
+        }
+    )
+    kube.put(
+        {
+            "kind": "Secret",
+            "metadata": {
+                "name": "tiny-signing-key",
+                "namespace": NS,
+                "ownerReferences": [{"uid": "uid-tiny", "controller": True}],
+            },
+            "data": {"signing-key": base64.b64encode(SIGNING_KEY + b"\n").decode()},
         }
     )
     owners(kube)
@@ -324,6 +340,11 @@ def test_checkpoint_ready_pod_out_of_rotation_then_back() -> None:
     assert serving(kube) == "true"
     cm = kube.get("ConfigMap", NS, "tiny-rekindle")
     assert cm["data"]["checkpoint"] == st["path"]  # type: ignore[index]
+    # Signed for this service and this Checkpoint: what its pods check before restoring.
+    signature = cm["data"]["signature"]  # type: ignore[index]
+    assert signature == restore_pointer.sign(SIGNING_KEY, st["path"], "uid-tiny", "0123456789")
+    why = restore_pointer.problem(SIGNING_KEY, st["path"], "uid-tiny", signature, CHECKPOINT_MOUNT)
+    assert why is None
     owner = kube.get("Checkpoint", NS, "c1")["metadata"]["ownerReferences"][0]  # type: ignore[index]
     assert owner["name"] == "tiny"
     assert [r for _, r, _ in events] == ["CheckpointStarted", "CheckpointReady"]

@@ -61,8 +61,11 @@ class Agent:
         *,
         api_key: bytes | None = None,
         signing_key: bytes | None = None,
+        refused_pointer: str | None = None,
     ) -> None:
         self.cfg = cfg
+        # Why the restore pointer was refused (config.refuse_unsigned_pointer): start boots.
+        self.refused_pointer = refused_pointer
         self.token = token
         self.api_key = api_key  # the serve port's key (None: no key)
         self.signing_key = signing_key  # signs and checks manifests (None: unsigned)
@@ -317,7 +320,9 @@ class Agent:
                     log.info("removed stale /dev/shm files: %s", removed)
             required = cfg.restore_policy == "require"
             try:
-                if cfg.restore_from and cfg.restore_policy != "never":
+                if self.refused_pointer and cfg.restore_policy != "never":
+                    self._refuse_pointer(self.refused_pointer, required)
+                elif cfg.restore_from and cfg.restore_policy != "never":
                     if self.backend.privileged:
                         self._mount_read_only(Path(cfg.restore_from))
                     self.restore_or_fallback(
@@ -330,6 +335,15 @@ class Agent:
             except Exception as e:
                 if self.status.state != "Failed":
                     self.set_state("Failed", f"start failed: {e}")
+
+    def _refuse_pointer(self, why: str, required: bool) -> None:
+        log.warning("not restoring: %s", why)
+        self.status.record_fallback("pointer_refused", why)
+        self.metrics.fallbacks.labels("pointer_refused").inc()
+        if required:
+            self.set_state("Failed", f"--restore-policy require, but {why}")
+        else:
+            self.boot()
 
     def _mount_read_only(self, ckpt: Path) -> None:
         """The checkpoint this pod restores from becomes read-only inside the pod (mounts)."""

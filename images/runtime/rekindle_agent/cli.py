@@ -9,6 +9,7 @@ so the heavy modules are imported inside run_agent, after the early start.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 import sys
 import threading
@@ -29,6 +30,9 @@ def run_agent(ns: argparse.Namespace) -> int:
     except config.ConfigError as e:
         print(f"rekindle agent: {e}", file=sys.stderr)
         return 2
+    refused_pointer = config.refuse_unsigned_pointer(cfg, signing_key)
+    if refused_pointer:
+        cfg = dataclasses.replace(cfg, restore_from=None)  # nothing reads the path
     early = EarlyStart(signing_key)
     early.begin(cfg)
     early_stop = threading.Event()
@@ -40,7 +44,12 @@ def run_agent(ns: argparse.Namespace) -> int:
     Path(cfg.run_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
     try:
         agent = Agent(
-            cfg, read_token(cfg.token_file), early, api_key=api_key, signing_key=signing_key
+            cfg,
+            read_token(cfg.token_file),
+            early,
+            api_key=api_key,
+            signing_key=signing_key,
+            refused_pointer=refused_pointer,
         )
     except config.ConfigError as e:
         print(f"rekindle agent: {e}", file=sys.stderr)

@@ -19,13 +19,16 @@ from dataclasses import MISSING, Field, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from rekindle_contract import restore_pointer
 from rekindle_contract.agent_args import AgentArgs, flag
 from rekindle_contract.pod import (
     API_KEY_ENV,
     CHECKPOINT_ENV,
+    CHECKPOINT_SIGNATURE_ENV,
     CRIU_ENV,
     NODE_SOCKET_ENV,
     POD_UID_ENV,
+    SERVICE_UID_ENV,
     SIGNING_KEY_ENV,
     TOKEN_ENV,
 )
@@ -34,6 +37,8 @@ from rekindle_contract.pod import (
 ENV_VARS = {
     "criu": CRIU_ENV,
     "restore_from": CHECKPOINT_ENV,
+    "restore_signature": CHECKPOINT_SIGNATURE_ENV,
+    "service_uid": SERVICE_UID_ENV,
     "token_file": TOKEN_ENV,
     "api_key_file": API_KEY_ENV,
     "signing_key_file": SIGNING_KEY_ENV,
@@ -102,6 +107,11 @@ class AgentConfig(AgentArgs):
             )
         if self.checkpoint_root and not os.path.isabs(self.checkpoint_root):
             raise ConfigError("--checkpoint-root must be an absolute path")
+        if self.service_uid and not self.checkpoint_root:
+            raise ConfigError(
+                "--service-uid needs --checkpoint-root: a signed restore pointer must name "
+                "a directory directly below it"
+            )
         if not os.path.isabs(self.run_dir):
             raise ConfigError("--run-dir must be an absolute path")
         if self.kv_store_dir and (self.device != "cuda" or not self.kv_offload_gb):
@@ -262,6 +272,25 @@ def normalize_checkpoint(value: str | None) -> str | None:
     if not value or value.startswith("$("):
         return None
     return value
+
+
+def refuse_unsigned_pointer(cfg: AgentConfig, signing_key: bytes | None) -> str | None:
+    """Why cfg's --restore-from must be ignored (the pod then boots), or None.
+
+    Only a pod the operator made knows its service's UID (--service-uid); for
+    it the pointer comes from a ConfigMap that more people can edit than the
+    Deployment, so it must carry the operator's signature
+    (rekindle_contract.restore_pointer). An agent started by hand trusts its flags.
+    """
+    if not cfg.restore_from or not cfg.service_uid:
+        return None
+    return restore_pointer.problem(
+        signing_key,
+        cfg.restore_from,
+        cfg.service_uid,
+        cfg.restore_signature,
+        cfg.checkpoint_root or "",
+    )
 
 
 def check_model_dir(model: str) -> None:

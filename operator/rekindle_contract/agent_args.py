@@ -59,6 +59,11 @@ class AgentArgs:
         "write the bound ports here as JSON once listening (for port 0)", default=None
     )
     token_file: str = _opt("bearer token file of the admin API", default=TOKEN_FILE)
+    metrics_token_file: str | None = _opt(
+        "bearer token file that reads GET /metrics on the admin port and nothing else "
+        "(the scrape credential); unset: only --token-file's token reads it",
+        default=None,
+    )
     run_dir: str = _opt("vLLM's log and TMPDIR; same path in every pod", default=RUN_DIR)
     restore_from: str | None = _opt("checkpoint directory to restore from at start", default=None)
     restore_signature: str | None = _opt(

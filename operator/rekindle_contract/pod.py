@@ -8,6 +8,14 @@ TOKEN_KEY = "token"
 TOKEN_FILE = f"{TOKEN_DIR}/{TOKEN_KEY}"
 TOKEN_ENV = "REKINDLE_AGENT_TOKEN_FILE"
 
+# A second bearer token that reads GET /metrics on the admin port and nothing
+# else: the one handed to Prometheus, so a scrape credential cannot trigger a
+# checkpoint or read the agent's status. A Secret of its own (key TOKEN_KEY),
+# mounted beside the admin token at METRICS_TOKEN_FILE.
+METRICS_TOKEN_NAME = "metrics-token"
+METRICS_TOKEN_FILE = f"{TOKEN_DIR}/{METRICS_TOKEN_NAME}"
+METRICS_TOKEN_ENV = "REKINDLE_METRICS_TOKEN_FILE"
+
 # The key that signs checkpoint manifests (HMAC-SHA256), one per
 # InferenceService: a key of the same Secret as the token is the natural home
 # (mounted at SIGNING_KEY_FILE); the agent reads it with --signing-key-file or

@@ -28,6 +28,7 @@ def derived_objects(spec: IsvcSpec, network_policy: bool) -> list[tuple[str, str
     out = [
         ("Secret", b.secret_name(spec.name)),
         ("Secret", b.signing_secret_name(spec.name)),
+        ("Secret", b.metrics_secret_name(spec.name)),
         ("ConfigMap", b.configmap_name(spec.name)),
         ("Service", b.service_name(spec.name)),
         ("Deployment", b.deployment_name(spec.name)),

@@ -23,6 +23,9 @@ from rekindle_contract.pod import (
     CHECKPOINT_SIGNATURE_ENV,
     IMAGE_ENV,
     LOOPBACK_ENV,
+    METRICS_TOKEN_ENV,
+    METRICS_TOKEN_FILE,
+    METRICS_TOKEN_NAME,
     NODE_SOCKET,
     NODE_SOCKET_DIR,
     NODE_SOCKET_ENV,
@@ -79,6 +82,10 @@ def signing_secret_name(isvc: str) -> str:
     return f"{isvc}-signing-key"
 
 
+def metrics_secret_name(isvc: str) -> str:
+    return f"{isvc}-metrics-token"
+
+
 def configmap_name(isvc: str) -> str:
     return f"{isvc}-rekindle"
 
@@ -131,6 +138,24 @@ def build_secret(spec: IsvcSpec, owner: Mapping[str, Any] | None = None, token: 
         "apiVersion": "v1",
         "kind": "Secret",
         "metadata": _meta(spec, secret_name(spec.name), owner, "agent-token"),
+        "type": "Opaque",
+        "data": {TOKEN_KEY: base64.b64encode(token.encode()).decode()},
+    }
+
+
+def build_metrics_secret(
+    spec: IsvcSpec, owner: Mapping[str, Any] | None = None, token: str = ""
+) -> Obj:
+    """The scrape credential: reads GET /metrics on the admin port and nothing else.
+
+    A Secret of its own, apart from the agent token, so whoever may read it
+    (Prometheus, a PodMonitor) cannot trigger a checkpoint or read status.
+    """
+    token = token or secrets.token_urlsafe(32)
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(spec, metrics_secret_name(spec.name), owner, "metrics-token"),
         "type": "Opaque",
         "data": {TOKEN_KEY: base64.b64encode(token.encode()).decode()},
     }
@@ -346,6 +371,7 @@ def _operator_pod_template(
         # Part of a checkpoint's fingerprint: never restore one image's tree on another's files.
         {"name": IMAGE_ENV, "value": spec.image},
         {"name": SIGNING_KEY_ENV, "value": SIGNING_KEY_FILE},
+        {"name": METRICS_TOKEN_ENV, "value": METRICS_TOKEN_FILE},
     ]
     if spec.api_key_secret:
         env.append({"name": API_KEY_ENV, "value": API_KEY_FILE})
@@ -448,6 +474,12 @@ def _operator_pod_template(
                                 "secret": {
                                     "name": signing_secret_name(spec.name),
                                     "items": [{"key": SIGNING_KEY_KEY, "path": SIGNING_KEY_KEY}],
+                                }
+                            },
+                            {
+                                "secret": {
+                                    "name": metrics_secret_name(spec.name),
+                                    "items": [{"key": TOKEN_KEY, "path": METRICS_TOKEN_NAME}],
                                 }
                             },
                         ],

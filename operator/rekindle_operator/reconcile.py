@@ -111,8 +111,9 @@ def admin_tls_problem(kube: Kube, spec: IsvcSpec) -> str | None:
 
 
 def ensure_secrets(kube: Kube, body: Body, spec: IsvcSpec) -> None:
-    """The agents' token and the signing key, generated once (the pointer needs the key)."""
+    """The agents' tokens and the signing key, generated once (the pointer needs the key)."""
     kube.create_if_absent(b.build_secret(spec, owner=body))
+    kube.create_if_absent(b.build_metrics_secret(spec, owner=body))
     kube.create_if_absent(b.build_signing_secret(spec, owner=body))
 
 

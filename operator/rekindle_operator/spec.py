@@ -16,6 +16,7 @@ from rekindle_contract.pod import (
     CHECKPOINT_ENV,
     CHECKPOINT_SIGNATURE_ENV,
     IMAGE_ENV,
+    METRICS_TOKEN_ENV,
     SERVICE_UID_ENV,
     SIGNING_KEY_ENV,
     TOKEN_ENV,
@@ -38,6 +39,7 @@ MANAGED_ENV = (
     SIGNING_KEY_ENV,
     API_KEY_ENV,
     TOKEN_ENV,
+    METRICS_TOKEN_ENV,
     MM_AUTO_ENV,
 )
 

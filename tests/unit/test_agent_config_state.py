@@ -69,6 +69,7 @@ def test_every_setting_round_trips_through_agent_argv(monkeypatch: pytest.Monkey
         vllm_port=19000,
         ports_file="/tmp/ports.json",
         token_file="/secrets/token",
+        metrics_token_file="/secrets/metrics-token",
         run_dir="/run/rekindle",
         restore_from="/ckpt/c1",
         restore_signature="v1:0d5a6c7e:00",

@@ -77,6 +77,39 @@ def test_auth_refusal_and_streaming(tmp_path: Path) -> None:
     asyncio.run(_scenario(tmp_path))
 
 
+METRICS_TOKEN = b"unit-test-metrics-token-0123"
+
+
+async def _metrics_token_reads_metrics_only(tmp_path: Path) -> None:
+    cfg = AgentConfig(model=str(tmp_path), run_dir=str(tmp_path), worker_extension="none")
+    agent = Agent(cfg, TOKEN, metrics_token=METRICS_TOKEN)
+    admin = TestServer(admin_app(agent, Proxy(agent)), host="127.0.0.1")
+    await admin.start_server()
+    scrape = {"Authorization": "Bearer " + METRICS_TOKEN.decode()}
+    try:
+        async with ClientSession() as s:
+            async with s.get(admin.make_url(api.PATH_METRICS), headers=scrape) as r:
+                assert r.status == 200 and "rekindle_" in await r.text()
+            for method, path in (
+                ("GET", api.PATH_STATUS),
+                ("POST", api.PATH_CHECKPOINT),
+                ("POST", api.PATH_METRICS),
+            ):
+                async with s.request(method, admin.make_url(path), headers=scrape) as r:
+                    assert r.status == 401, (method, path)
+            wrong = {"Authorization": "Bearer " + METRICS_TOKEN.decode()[:-1] + "x"}
+            async with s.get(admin.make_url(api.PATH_METRICS), headers=wrong) as r:
+                assert r.status == 401
+            assert agent.status.state == "Booting"  # nothing the scrape token sent acted
+    finally:
+        await admin.close()
+        agent.reaper.stop()
+
+
+def test_the_metrics_token_reads_metrics_and_nothing_else(tmp_path: Path) -> None:
+    asyncio.run(_metrics_token_reads_metrics_only(tmp_path))
+
+
 async def _listen_on_port_zero(tmp_path: Path) -> None:
     async def hello(_request: web.Request) -> web.Response:
         return web.Response(text="hi")

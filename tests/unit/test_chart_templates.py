@@ -214,7 +214,9 @@ def test_podmonitor_rendered_only_when_enabled_and_needs_the_crd() -> None:
     assert tiny["spec"]["selector"]["matchLabels"] == {"rekindle.dev/inferenceservice": "tiny"}
     (endpoint,) = tiny["spec"]["podMetricsEndpoints"]
     assert (endpoint["port"], endpoint["path"]) == ("admin", "/metrics")
-    assert endpoint["authorization"]["credentials"] == {"name": "tiny-agent-token", "key": "token"}
+    # The scrape credential (reads /metrics only), never the agent token.
+    credentials = endpoint["authorization"]["credentials"]
+    assert credentials == {"name": "tiny-metrics-token", "key": "token"}
     # Prometheus is let through the InferenceService's NetworkPolicy to the admin port.
     policy = one(docs, "NetworkPolicy", "rekindle-tiny-metrics")
     (rule,) = policy["spec"]["ingress"]

@@ -16,6 +16,8 @@ from rekindle_contract.pod import (
     CHECKPOINT_MOUNT,
     CHECKPOINT_SIGNATURE_ENV,
     IMAGE_ENV,
+    METRICS_TOKEN_ENV,
+    METRICS_TOKEN_FILE,
     NODE_SOCKET,
     NODE_SOCKET_DIR,
     NODE_SOCKET_ENV,
@@ -459,9 +461,14 @@ def test_signing_key_secret_and_its_read_only_mount() -> None:
     assert [src["secret"]["name"] for src in proj["sources"]] == [
         "tiny-agent-token",
         "tiny-signing-key",
+        "tiny-metrics-token",
     ]
     items = [i["path"] for src in proj["sources"] for i in src["secret"]["items"]]
-    assert [f"{TOKEN_DIR}/{p}" for p in items] == [TOKEN_FILE, SIGNING_KEY_FILE]
+    assert [f"{TOKEN_DIR}/{p}" for p in items] == [
+        TOKEN_FILE,
+        SIGNING_KEY_FILE,
+        METRICS_TOKEN_FILE,
+    ]
     mounts = {m["name"]: m for m in container(dep)["volumeMounts"]}
     assert mounts["agent-token"] == {
         "name": "agent-token",
@@ -470,8 +477,17 @@ def test_signing_key_secret_and_its_read_only_mount() -> None:
     }
     env = {e["name"]: e.get("value") for e in container(dep)["env"]}
     assert env[SIGNING_KEY_ENV] == SIGNING_KEY_FILE
+    assert env[METRICS_TOKEN_ENV] == METRICS_TOKEN_FILE
     assert env[IMAGE_ENV] == s.image
     assert API_KEY_ENV not in env and "api-key" not in vols
+
+
+def test_the_scrape_token_is_a_secret_of_its_own() -> None:
+    sec = b.build_metrics_secret(tiny(), owner=OWNER)
+    assert sec["metadata"]["name"] == "tiny-metrics-token"
+    assert sec["metadata"]["ownerReferences"][0]["uid"] == OWNER["metadata"]["uid"]
+    token = base64.b64decode(sec["data"][TOKEN_KEY])
+    assert len(token) >= 32 and b.build_metrics_secret(tiny())["data"] != sec["data"]
 
 
 def test_api_key_from_the_users_secret() -> None:

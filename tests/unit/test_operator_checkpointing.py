@@ -838,7 +838,12 @@ def test_reconcile_creates_the_network_policy_when_the_operator_knows_its_pods()
 
 @pytest.mark.parametrize(
     ("kind", "name"),
-    [("Service", "tiny"), ("Secret", "tiny-signing-key"), ("Deployment", "tiny")],
+    [
+        ("Service", "tiny"),
+        ("Secret", "tiny-signing-key"),
+        ("Secret", "tiny-metrics-token"),
+        ("Deployment", "tiny"),
+    ],
 )
 def test_an_object_with_our_name_that_is_not_ours_is_never_taken_over(kind: str, name: str) -> None:
     """Someone else's Service `tiny` (or a signing key Secret made beforehand, whose

@@ -61,9 +61,11 @@ class Agent:
         *,
         api_key: bytes | None = None,
         signing_key: bytes | None = None,
+        metrics_token: bytes | None = None,
         refused_pointer: str | None = None,
     ) -> None:
         self.cfg = cfg
+        self.metrics_token = metrics_token  # reads GET /metrics only (None: no such token)
         # Why the restore pointer was refused (config.refuse_unsigned_pointer): start boots.
         self.refused_pointer = refused_pointer
         self.token = token

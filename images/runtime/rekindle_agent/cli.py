@@ -27,6 +27,7 @@ def run_agent(ns: argparse.Namespace) -> int:
         config.check_model_dir(cfg.model)
         signing_key = auth.read_signing_key(cfg.signing_key_file) if cfg.signing_key_file else None
         api_key = read_api_key(cfg.api_key_file) if cfg.api_key_file else None
+        metrics_token = read_token(cfg.metrics_token_file) if cfg.metrics_token_file else None
     except config.ConfigError as e:
         print(f"rekindle agent: {e}", file=sys.stderr)
         return 2
@@ -49,6 +50,7 @@ def run_agent(ns: argparse.Namespace) -> int:
             early,
             api_key=api_key,
             signing_key=signing_key,
+            metrics_token=metrics_token,
             refused_pointer=refused_pointer,
         )
     except config.ConfigError as e:

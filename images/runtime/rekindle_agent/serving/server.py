@@ -216,12 +216,23 @@ async def proxy_handler(request: web.Request) -> web.StreamResponse:
         proxy.release()
 
 
+def _authorized(agent: Agent, request: web.Request) -> bool:
+    """The admin token opens every route; the metrics token only GET /metrics."""
+    header = request.headers.get("Authorization")
+    if request.path in UNAUTHENTICATED or token_ok(agent.token, header):
+        return True
+    return (
+        agent.metrics_token is not None
+        and request.method == "GET"
+        and request.path == api.PATH_METRICS
+        and token_ok(agent.metrics_token, header)
+    )
+
+
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     agent = request.app[AGENT_KEY]
-    if request.path not in UNAUTHENTICATED and not token_ok(
-        agent.token, request.headers.get("Authorization")
-    ):
+    if not _authorized(agent, request):
         return web.json_response(
             {"error": "missing or wrong bearer token"},
             status=401,

@@ -426,6 +426,48 @@ def test_corrupted_checkpoint_boots_normally_and_says_why(
         immutable.set_immutable(biggest, True)
 
 
+def test_a_tampered_restore_pointer_boots_normally_and_says_why(
+    served: dict[str, Any], before: list[str], first: dict[str, Any], op_namespace: str,
+    operator: OperatorProcess,
+) -> None:  # fmt: skip
+    """Someone with `update configmaps` points new replicas at another directory: the
+    operator's signature no longer matches, so the pod boots (and reads nothing there)."""
+    ck = in_use(op_namespace)
+    scale(op_namespace, 0)
+    wait_until("no pods left", lambda: not pods_of(NAME, op_namespace), 180)
+    # Stopped, the operator cannot rewrite the pointer before the new pod reads it.
+    operator.kill(signal.SIGKILL)
+    try:
+        cm = kubectl_json("get", "configmap", f"{NAME}-rekindle", "-n", op_namespace)
+        signed = cm["data"]["checkpoint"]
+        assert cm["data"]["signature"].startswith(f"v1:{ck['metadata']['uid']}:"), cm["data"]
+        forged = signed.rsplit("/", 1)[0] + "/elsewhere-" + ck["metadata"]["uid"][:8]
+        patch = json.dumps({"data": {"checkpoint": forged}})
+        kubectl("patch", "configmap", f"{NAME}-rekindle", "-n", op_namespace, "-p", patch)
+        kubectl("patch", f"rkis/{NAME}", "-n", op_namespace, "--type=merge", "-p",
+                json.dumps({"spec": {"replicas": 1}}))  # fmt: skip
+        kubectl("scale", f"deployment/{NAME}", "-n", op_namespace, "--replicas=1")
+
+        def started() -> bool:
+            pods = pods_of(NAME, op_namespace)
+            statuses = [
+                c for p in pods for c in (p.get("status") or {}).get("containerStatuses") or []
+            ]
+            return any("running" in (c.get("state") or {}) for c in statuses)
+
+        wait_until("the new pod's container started", started, 180)
+    finally:
+        operator.start()
+    obj = ready_with(op_namespace, "booted")
+    pod = obj["status"]["pods"][0]
+    assert pod["reason"].startswith("pointer_refused: "), pod
+    assert "does not match" in pod["reason"], pod
+    assert completions(served["url"]) == before
+    # The operator put its own pointer back: the next replica restores again.
+    cm = kubectl_json("get", "configmap", f"{NAME}-rekindle", "-n", op_namespace)
+    assert cm["data"]["checkpoint"] == signed
+
+
 def test_operator_killed_mid_checkpoint_recovers(
     served: dict[str, Any],
     before: list[str],

@@ -141,6 +141,16 @@ class AgentArgs:
         "seconds the serve port's proxy waits for vLLM to send anything", default=600.0
     )
     proxy_max_body_mb: int = _opt("largest request body the serve port accepts, MiB", default=32)
+    proxy_body_timeout: float = _opt(
+        "seconds a client has to send its whole request body (else 408); a request takes "
+        "a concurrency slot only once its body is in",
+        default=60.0,
+    )
+    proxy_body_buffer_mb: int = _opt(
+        "request bodies the serve port holds at once (received or being received), MiB; "
+        "past it a request gets 503 with Retry-After",
+        default=256,
+    )
     proxy_max_concurrency: int = _opt(
         "requests the serve port forwards at once; more get 429 with Retry-After", default=256
     )

@@ -99,6 +99,8 @@ def test_every_setting_round_trips_through_agent_argv(monkeypatch: pytest.Monkey
         prefetch_timeout=33.0,
         proxy_timeout=7.5,
         proxy_max_body_mb=8,
+        proxy_body_timeout=12.0,
+        proxy_body_buffer_mb=64,
         proxy_max_concurrency=3,
         admin_tls_cert="/secrets/tls/tls.crt",
         admin_tls_key="/secrets/tls/tls.key",

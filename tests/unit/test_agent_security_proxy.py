@@ -1,5 +1,6 @@
 """The serve port's proxy against a fake vLLM: allowlist, API key, body and concurrency
-limits, the timeout to vLLM, and a drain that gives up with a reason.
+limits, slow bodies and the body buffer, the timeout to vLLM, and a drain that gives
+up with a reason.
 
 No timing margins: the fake vLLM holds the requests that must stay in flight (or
 stay silent) until the test releases them, so each outcome is decided by what the
@@ -197,3 +198,80 @@ async def _concurrency_and_drain(tmp_path: Path) -> None:
 
 def test_proxy_concurrency_limit_and_drain_timeout(tmp_path: Path) -> None:
     asyncio.run(_concurrency_and_drain(tmp_path))
+
+
+async def _slow_body(port: int, declared: int, sent: bytes) -> tuple[asyncio.StreamReader, Any]:
+    """A client that declares a body, sends part of it, and then sends nothing."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: agent\r\nContent-Type: application/json\r\n"
+        + b"Authorization: Bearer " + API_KEY + b"\r\n"
+        + f"Content-Length: {declared}\r\n\r\n".encode()
+        + sent
+    )  # fmt: skip
+    await writer.drain()
+    return reader, writer
+
+
+async def _until(what: str, cond: Any) -> None:
+    """A bounded poll of the proxy's own counters (no sleep that decides anything)."""
+    try:
+        async with asyncio.timeout(WAIT):
+            while not cond():
+                await asyncio.sleep(0.01)
+    except TimeoutError:
+        raise AssertionError(f"not within {WAIT:g}s: {what}") from None
+
+
+async def _slow_bodies_hold_no_slot(tmp_path: Path) -> None:
+    limits = {"proxy_max_concurrency": 2, "proxy_body_timeout": 1.0, "proxy_timeout": WAIT}
+    async with (
+        serving(tmp_path, **limits) as sv,
+        ClientSession(timeout=ClientTimeout(total=WAIT)) as s,
+    ):
+        port = int(sv.url.rsplit(":", 1)[1].strip("/"))
+        slow = [await _slow_body(port, 100, b'{"prompt": ') for _ in range(5)]
+        await _until("5 bodies arriving", lambda: sv.proxy.receiving == 5)
+        # More slow clients than slots, and yet no slot is taken: requests still pass.
+        assert sv.proxy.inflight == 0
+        assert (await call(s, "POST", sv.url + "v1/completions", json={}, headers=KEY))[0] == 200
+        # Each slow client is cut off at --proxy-body-timeout, and nothing reached vLLM.
+        for reader, writer in slow:
+            status_line = await asyncio.wait_for(reader.readline(), WAIT)
+            assert status_line.startswith(b"HTTP/1.1 408"), status_line
+            writer.close()
+        assert sv.proxy.receiving == 0 and sv.proxy.body_bytes == 0
+        assert sv.vllm.seen == ["POST /v1/completions"]
+
+
+def test_a_slow_body_holds_no_slot_and_is_cut_off(tmp_path: Path) -> None:
+    asyncio.run(_slow_bodies_hold_no_slot(tmp_path))
+
+
+async def _bodies_share_one_buffer(tmp_path: Path) -> None:
+    limits = {
+        "proxy_max_body_mb": 1,
+        "proxy_body_buffer_mb": 1,
+        "proxy_body_timeout": 1.0,
+        "proxy_timeout": WAIT,
+    }
+    async with (
+        serving(tmp_path, **limits) as sv,
+        ClientSession(timeout=ClientTimeout(total=WAIT)) as s,
+    ):
+        port = int(sv.url.rsplit(":", 1)[1].strip("/"))
+        reader, writer = await _slow_body(port, 1 << 20, b" " * (768 << 10))
+        await _until("768 KiB held", lambda: sv.proxy.body_bytes == 768 << 10)
+        half = b'{"prompt": "' + b"x" * (512 << 10) + b'"}'
+        status, text = await call(s, "POST", sv.url + "v1/completions", data=half, headers=KEY)
+        assert status == 503 and "--proxy-body-buffer-mb" in text, text
+        status_line = await asyncio.wait_for(reader.readline(), WAIT)
+        assert status_line.startswith(b"HTTP/1.1 408"), status_line
+        writer.close()
+        await _until("the buffer is empty", lambda: sv.proxy.body_bytes == 0)
+        status, _ = await call(s, "POST", sv.url + "v1/completions", data=half, headers=KEY)
+        assert status == 200
+
+
+def test_request_bodies_share_one_bounded_buffer(tmp_path: Path) -> None:
+    asyncio.run(_bodies_share_one_buffer(tmp_path))

@@ -78,6 +78,7 @@ class AgentConfig(AgentArgs):
             "checkpoint_timeout",
             "prefetch_timeout",
             "proxy_timeout",
+            "proxy_body_timeout",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{flag(name)} must be > 0 seconds")
@@ -86,9 +87,15 @@ class AgentConfig(AgentArgs):
             "prefetch_threads",
             "proxy_max_body_mb",
             "proxy_max_concurrency",
+            "proxy_body_buffer_mb",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{flag(name)} must be >= 1")
+        if self.proxy_body_buffer_mb < self.proxy_max_body_mb:
+            raise ConfigError(
+                "--proxy-body-buffer-mb must be at least --proxy-max-body-mb: a body of the "
+                "largest allowed size must fit"
+            )
         if self.keep_resident_mb < 0:
             raise ConfigError("--keep-resident-mb must be >= 0 (0: off)")
         if self.checkpoint_timeout <= self.drain_timeout:

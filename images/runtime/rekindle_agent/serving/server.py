@@ -62,7 +62,8 @@ RESIDENT_KEY: web.AppKey[residency.ResidentLock | None] = web.AppKey("resident")
 
 
 class Proxy:
-    """Counts in-flight requests so a checkpoint can drain them."""
+    """Counts in-flight requests so a checkpoint can drain them, and the request bodies
+    it holds so that together they stay within --proxy-body-buffer-mb."""
 
     def __init__(self, agent: Agent) -> None:
         self.agent = agent
@@ -70,6 +71,18 @@ class Proxy:
         self.idle = asyncio.Event()
         self.idle.set()
         self.session: ClientSession | None = None
+        self.receiving = 0  # requests whose body is being read (no slot yet)
+        self.body_bytes = 0  # bytes of request bodies held, received or arriving
+
+    def hold_body_bytes(self, n: int) -> bool:
+        """Count n more bytes of request body held, if they fit the buffer."""
+        if self.body_bytes + n > self.agent.cfg.proxy_body_buffer_mb << 20:
+            return False
+        self.body_bytes += n
+        return True
+
+    def drop_body_bytes(self, n: int) -> None:
+        self.body_bytes -= n
 
     def admit(self) -> str | None:
         """Count a request in, or say why not ("state", "busy").
@@ -158,12 +171,78 @@ def _gate(request: web.Request, agent: Agent) -> web.Response | None:
     return None
 
 
+class BodyRefused(Exception):
+    """A request body not taken in; .response says why."""
+
+    def __init__(self, response: web.Response) -> None:
+        self.response = response
+
+
+async def _read_chunks(request: web.Request, proxy: Proxy, got: list[bytes]) -> None:
+    limit = proxy.agent.cfg.proxy_max_body_mb << 20
+    size = 0
+    while chunk := await request.content.readany():
+        size += len(chunk)
+        if size > limit:
+            raise BodyRefused(
+                error(f"request body over the limit of {limit} bytes", 413, "invalid_request_error")
+            )
+        if not proxy.hold_body_bytes(len(chunk)):
+            raise BodyRefused(
+                refuse(
+                    proxy.agent, "request bodies fill the buffer (--proxy-body-buffer-mb); retry"
+                )
+            )
+        got.append(chunk)
+
+
+async def read_body(request: web.Request, proxy: Proxy, got: list[bytes]) -> None:
+    """Read the request body into got within --proxy-body-timeout, counting its bytes
+    against --proxy-body-buffer-mb (the caller drops them once the request is done).
+
+    Before any slot is taken: a client that sends its body slowly, or never, holds
+    only its own connection, not one of the requests vLLM may run at once.
+    """
+    proxy.receiving += 1
+    try:
+        await asyncio.wait_for(
+            _read_chunks(request, proxy, got), proxy.agent.cfg.proxy_body_timeout
+        )
+    except TimeoutError as e:
+        raise BodyRefused(
+            error(
+                f"the request body did not arrive within {proxy.agent.cfg.proxy_body_timeout:g}s "
+                "(--proxy-body-timeout)",
+                408,
+                "invalid_request_error",
+                {"Connection": "close"},
+            )
+        ) from e
+    finally:
+        proxy.receiving -= 1
+
+
 async def proxy_handler(request: web.Request) -> web.StreamResponse:
     proxy = request.app[PROXY_KEY]
     agent = proxy.agent
     refused = _gate(request, agent)
     if refused is not None:
         return refused
+    if agent.status.state != "Ready":  # before reading a body that would be refused anyway
+        return refuse(agent, f"agent is {agent.status.state}; retry")
+    chunks: list[bytes] = []
+    try:
+        await read_body(request, proxy, chunks)
+        return await _forward(request, proxy, b"".join(chunks))
+    except BodyRefused as e:
+        return e.response
+    finally:
+        proxy.drop_body_bytes(sum(map(len, chunks)))
+
+
+async def _forward(request: web.Request, proxy: Proxy, body: bytes) -> web.StreamResponse:
+    """Send the request, body in hand, to vLLM within a concurrency slot."""
+    agent = proxy.agent
     why = proxy.admit()
     if why == "busy":
         return refuse(
@@ -175,10 +254,6 @@ async def proxy_handler(request: web.Request) -> web.StreamResponse:
         return refuse(agent, f"agent is {agent.status.state}; retry")
     resp: web.StreamResponse | None = None
     try:
-        try:
-            body = await request.read()
-        except web.HTTPRequestEntityTooLarge as e:
-            return error(str(e.text), 413, "invalid_request_error")
         drop = HOP_HEADERS | ({"authorization"} if agent.api_key is not None else set())
         # The API key stops here: never in vLLM's memory, so never in a checkpoint.
         headers = {k: v for k, v in request.headers.items() if k.lower() not in drop}
@@ -434,6 +509,7 @@ def admin_app(
 
 
 def proxy_app(agent: Agent, proxy: Proxy) -> web.Application:
+    # read_body enforces the body limit itself (413, and the buffer's budget).
     app = web.Application(client_max_size=agent.cfg.proxy_max_body_mb << 20)
     app[AGENT_KEY] = agent
     app[PROXY_KEY] = proxy

@@ -18,8 +18,12 @@ from rekindle_contract.rpc import WORKER_EXTENSION
 
 # Flags vllm_argv() sets; a user passing them in spec.vllmArgs would silently
 # fight the operator (ports, shm cache sizing), so the CRD refuses them (a unit
-# test checks the CRD's rule against this list).
+# test checks the CRD's rule against this list; tests/vllm checks the spellings
+# against vLLM's own parser). And --config: vLLM reads flags from that file,
+# so it could set those the agent leaves at vLLM's default (--enable-sleep-mode
+# on CPU, --kv-offloading-*).
 MANAGED_VLLM_FLAGS = (
+    "--config",
     "--model",
     "--served-model-name",
     "--host",
@@ -35,6 +39,8 @@ MANAGED_VLLM_FLAGS = (
 )
 # vLLM's short spellings of managed flags.
 MANAGED_VLLM_ALIASES = {"-tp": "--tensor-parallel-size"}
+# Managed switches vLLM also takes as `--no-NAME` (argparse's BooleanOptionalAction).
+MANAGED_VLLM_SWITCHES = ("--enable-sleep-mode",)
 
 
 def managed_flag(arg: str) -> str | None:
@@ -43,7 +49,9 @@ def managed_flag(arg: str) -> str | None:
     vLLM's parser reads `_` as `-` in flag names and, like argparse, takes a
     unique prefix of a flag for the flag (`--hos` is `--host`), so an exact
     match is not enough: arg is managed when its name, `_` read as `-`, is a
-    managed flag or a prefix of one (at least one letter after the dashes).
+    managed flag or a prefix of one (at least one letter after the dashes), or
+    the `--no-` form (or a prefix of it) of a managed switch. tests/vllm checks
+    this against vLLM's own parser, spelling by spelling.
     """
     name = arg.split("=", 1)[0]
     for alias, flag in MANAGED_VLLM_ALIASES.items():
@@ -55,6 +63,10 @@ def managed_flag(arg: str) -> str | None:
     for flag in MANAGED_VLLM_FLAGS:
         if flag.startswith(norm):
             return flag
+    if norm.startswith("--no-") and len(norm) > len("--no-"):
+        for flag in MANAGED_VLLM_SWITCHES:
+            if flag.startswith("--" + norm[len("--no-") :]):
+                return flag
     return None
 
 

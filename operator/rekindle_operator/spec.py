@@ -349,6 +349,11 @@ def validate(s: IsvcSpec) -> None:
         if flag is not None:
             given = arg.split("=", 1)[0]
             spelled = "" if given == flag else f" (as {given}: vLLM reads it as {flag})"
+            if flag == "--config":
+                raise SpecError(
+                    f"spec.vllmArgs passes {flag}{spelled}: a file of vLLM flags could set "
+                    "those the operator manages; put the file's flags in spec.vllmArgs instead"
+                )
             raise SpecError(
                 f"spec.vllmArgs sets {flag}{spelled}, which the operator manages: "
                 "use spec.model, spec.multimodal, spec.kvCache or spec.tensorParallelSize instead"

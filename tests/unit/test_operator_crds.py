@@ -7,7 +7,11 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from rekindle_contract.vllm_argv import MANAGED_VLLM_ALIASES, MANAGED_VLLM_FLAGS
+from rekindle_contract.vllm_argv import (
+    MANAGED_VLLM_ALIASES,
+    MANAGED_VLLM_FLAGS,
+    MANAGED_VLLM_SWITCHES,
+)
 from rekindle_operator.constants import CKPT_PLURAL, GROUP, ISVC_PLURAL, VERSION
 
 CRDS = Path(__file__).resolve().parents[2] / "charts" / "rekindle" / "files" / "crds"
@@ -97,12 +101,14 @@ def test_vllm_args_rule_refuses_exactly_the_managed_flags() -> None:
     m = re.search(r"\^\((.*)\)\(=\.\*\)\?\$", rule)
     assert m, rule
     spelled = sorted(a.replace("[-_]", "-") for a in m.group(1).split("|"))
-    assert spelled == sorted([*MANAGED_VLLM_FLAGS, *MANAGED_VLLM_ALIASES])
+    negated = ["--no-" + s[2:] for s in MANAGED_VLLM_SWITCHES]
+    assert spelled == sorted([*MANAGED_VLLM_FLAGS, *MANAGED_VLLM_ALIASES, *negated])
     pattern = re.compile(f"^({m.group(1)})(=.*)?$")
     for flag in MANAGED_VLLM_FLAGS:
         assert pattern.match(flag) and pattern.match(f"{flag}=1")
         assert pattern.match(flag[:2] + flag[2:].replace("-", "_"))  # vLLM reads _ as -
     assert pattern.match("-tp") and pattern.match("--served_model-name=x")
+    assert pattern.match("--no_enable-sleep_mode")
     assert not pattern.match("--max-num-seqs") and not pattern.match("--portable")
 
 

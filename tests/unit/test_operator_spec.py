@@ -78,6 +78,8 @@ def test_every_managed_vllm_flag_is_refused(flag: str) -> None:
         ("--tensor_parallel", "--tensor-parallel-size"),
         ("-tp", "--tensor-parallel-size"),
         ("-tp=2", "--tensor-parallel-size"),
+        ("--no-enable-sleep-mode", "--enable-sleep-mode"),
+        ("--no_enable_sleep", "--enable-sleep-mode"),
     ],
 )
 def test_the_spellings_vllm_reads_as_a_managed_flag_are_refused(arg: str, flag: str) -> None:

@@ -179,6 +179,17 @@ class AgentArgs:
         "limit). 0: off",
         default=0,
     )
+    # What vLLM may fetch for a request (docs/security.md, "Media URLs").
+    allowed_media_domains: str | None = _opt(
+        "comma-separated hosts vLLM may fetch media URLs from (vLLM's "
+        "--allowed-media-domains); unset: any host",
+        default=None,
+    )
+    media_redirects: bool = _opt(
+        "let vLLM follow HTTP redirects when it fetches a media URL (off: a redirect is "
+        "an error, so an allowed host cannot send vLLM elsewhere)",
+        default=False,
+    )
     vllm_args: list[str] = field(default_factory=list, metadata={"help": "vLLM flags after --"})
 
 

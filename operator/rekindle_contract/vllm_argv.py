@@ -36,6 +36,7 @@ MANAGED_VLLM_FLAGS = (
     "--enable-sleep-mode",
     "--kv-offloading-size",
     "--kv-offloading-backend",
+    "--allowed-media-domains",
 )
 # vLLM's short spellings of managed flags.
 MANAGED_VLLM_ALIASES = {"-tp": "--tensor-parallel-size"}
@@ -129,6 +130,8 @@ class VllmOptions:
     # A directory of KV blocks shared by pods (vLLM's file-system offload tier,
     # behind the CPU offload of kv_offload_gb); None: off. GPU only.
     kv_store_dir: str | None = None
+    # Hosts vLLM may fetch media URLs (image_url ...) from; empty: any host.
+    allowed_media_domains: tuple[str, ...] = ()
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -181,6 +184,8 @@ def vllm_argv(opts: VllmOptions, python: str = sys.executable) -> list[str]:
             "--kv-offloading-size",
             f"{opts.kv_offload_gb:g}",
         ]
+    if opts.allowed_media_domains:
+        cmd += ["--allowed-media-domains", *opts.allowed_media_domains]
     return cmd + list(opts.extra_args)
 
 

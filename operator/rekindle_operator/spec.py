@@ -7,6 +7,7 @@ lets unit tests build specs without a cluster.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -128,6 +129,10 @@ class IsvcSpec:
     mm_shm_cache: bool = True
     mm_cache_bytes: int = 4 * 2**30
     mm_max_object_mib: int = 128
+    # spec.multimodal.allowedMediaDomains: hosts vLLM may fetch media URLs from
+    # (empty: any); allowMediaRedirects: whether those fetches follow redirects.
+    mm_allowed_media_domains: tuple[str, ...] = ()
+    mm_media_redirects: bool = False
     prefix_caching: bool = True
     kv_offload_bytes: int = 0
     # spec.kvCache.sharedStore; None: no store shared between pods.
@@ -164,6 +169,26 @@ def _get(d: Mapping[str, Any], key: str) -> Mapping[str, Any]:
     if not isinstance(v, Mapping):
         raise SpecError(f"spec.{key} must be an object")
     return v
+
+
+# A media host as vLLM compares it (the URL's hostname): a DNS name or an IPv4
+# address, lower case, no port, no wildcard.
+MEDIA_DOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+def _media_domains(value: object) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise SpecError("spec.multimodal.allowedMediaDomains must be a list of host names")
+    for host in value:
+        if len(host) > 253 or not MEDIA_DOMAIN.match(host):
+            raise SpecError(
+                f"spec.multimodal.allowedMediaDomains: {host!r} is not a host name: give "
+                "each host as a URL names it (images.example.com, 10.0.0.5), lower case, "
+                "without scheme, port or wildcard"
+            )
+    return tuple(value)
 
 
 def parse_spec(
@@ -215,6 +240,8 @@ def parse_spec(
         mm_shm_cache=bool(mm.get("shmCache", True)) and mm.get("enabled") is not False,
         mm_cache_bytes=to_bytes(mm.get("cacheSize", "4Gi")),
         mm_max_object_mib=int(mm.get("maxObjectMiB", 128)),
+        mm_allowed_media_domains=_media_domains(mm.get("allowedMediaDomains")),
+        mm_media_redirects=bool(mm.get("allowMediaRedirects", False)),
         prefix_caching=bool(kv.get("prefixCaching", True)),
         kv_offload_bytes=to_bytes(kv.get("cpuOffloadSize", 0)),
         kv_store=_kv_store(_get(kv, "sharedStore")) if kv.get("sharedStore") is not None else None,

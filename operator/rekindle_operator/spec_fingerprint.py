@@ -74,4 +74,8 @@ def process_extras(spec: IsvcSpec) -> dict[str, object]:
         out["gpuResource"] = spec.gpu_resource
     if spec.mm_enabled is not True:
         out["mmEnabled"] = spec.mm_enabled
+    if spec.mm_allowed_media_domains:
+        out["mediaDomains"] = list(spec.mm_allowed_media_domains)
+    if spec.mm_media_redirects:
+        out["mediaRedirects"] = True
     return out

@@ -70,6 +70,12 @@ def test_negative_replicas_refused(namespace: str) -> None:
     [
         ({"vllmArgs": ["--port=9000"]}, "flag the operator manages"),
         ({"vllmArgs": ["--served_model_name=x"]}, "flag the operator manages"),  # vLLM: _ is -
+        ({"vllmArgs": ["--no-enable-sleep-mode"]}, "flag the operator manages"),
+        ({"vllmArgs": ["--config=/models/x.yaml"]}, "flag the operator manages"),
+        (
+            {"multimodal": {"allowedMediaDomains": ["*.example.com"]}},
+            "spec.multimodal.allowedMediaDomains[0]",
+        ),
         ({"runtime": {"device": "gpu"}, "tensorParallelSize": 2}, "set spec.resources.gpus"),
         ({"multimodal": {"cacheSize": "64Mi", "maxObjectMiB": 128}}, "lower maxObjectMiB"),
         ({"multimodal": {"cacheSize": "lots"}}, "must be a non-negative quantity"),

@@ -105,6 +105,8 @@ def test_every_setting_round_trips_through_agent_argv(monkeypatch: pytest.Monkey
         admin_tls_cert="/secrets/tls/tls.crt",
         admin_tls_key="/secrets/tls/tls.key",
         kv_store_dir="/var/lib/rekindle/kv-store",
+        allowed_media_domains="images.example.com,10.0.0.5",
+        media_redirects=True,
         keep_resident_mb=256,
         vllm_args=["--dtype", "float32", "--seed", "7"],
     )

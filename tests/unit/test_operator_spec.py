@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import pytest
+from rekindle_agent.config import AgentConfig
+from rekindle_agent.supervision.vllm_launch import vllm_command
 from rekindle_contract.vllm_argv import MANAGED_VLLM_FLAGS
+from rekindle_operator.agent_command import agent_args
 from rekindle_operator.quantity import mib_str, parse_quantity, to_bytes
-from rekindle_operator.spec import SpecError, parse_spec
+from rekindle_operator.spec import IsvcSpec, SpecError, parse_spec
+from rekindle_operator.spec_fingerprint import spec_fingerprint
 
 
-def parse(**spec: object) -> object:
+def parse(**spec: object) -> IsvcSpec:
     return parse_spec("x", "ns", {"model": {"source": "/m"}, **spec})
 
 
@@ -109,3 +113,33 @@ def test_quantities() -> None:
     assert mib_str(2**20 + 1) == "2Mi"
     with pytest.raises(ValueError, match="not a Kubernetes quantity"):
         to_bytes("12 GB")
+
+
+def test_media_hosts_and_redirects_reach_vllm() -> None:
+    """spec.multimodal.allowedMediaDomains becomes vLLM's --allowed-media-domains (through
+    the agent's flag); redirects stay off unless allowMediaRedirects."""
+    s = parse(multimodal={"allowedMediaDomains": ["images.example.com", "10.0.0.5"]})
+    assert s.mm_allowed_media_domains == ("images.example.com", "10.0.0.5")
+    args = agent_args(s)
+    assert (args.allowed_media_domains, args.media_redirects) == (
+        "images.example.com,10.0.0.5",
+        False,
+    )
+    cfg = AgentConfig(model="/m", allowed_media_domains=args.allowed_media_domains)
+    argv, env = vllm_command(cfg)
+    i = argv.index("--allowed-media-domains")
+    assert argv[i + 1 : i + 3] == ["images.example.com", "10.0.0.5"]
+    assert env["VLLM_MEDIA_URL_ALLOW_REDIRECTS"] == "0"
+    argv, env = vllm_command(AgentConfig(model="/m", media_redirects=True))
+    assert "--allowed-media-domains" not in argv and env["VLLM_MEDIA_URL_ALLOW_REDIRECTS"] == "1"
+    assert agent_args(parse(multimodal={"allowMediaRedirects": True})).media_redirects is True
+    # Part of the fingerprint: a checkpoint of another media policy is stale.
+    assert spec_fingerprint(s) != spec_fingerprint(parse())
+
+
+@pytest.mark.parametrize(
+    "host", ["*.example.com", "Images.example.com", "https://a.example", "a.example:443", ""]
+)
+def test_a_media_domain_that_is_not_a_host_name_is_refused(host: str) -> None:
+    with pytest.raises(SpecError, match="is not a host name"):
+        parse(multimodal={"allowedMediaDomains": [host]})

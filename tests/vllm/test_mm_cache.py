@@ -36,10 +36,12 @@ import io
 import json
 import os
 import random
+import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -89,8 +91,8 @@ def png_data_url(seed: int) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def ask(agent: AgentProc, seed: int, max_tokens: int = 8, timeout: float = 120) -> str:
-    """A greedy chat completion about one image (sent through the agent's serve port)."""
+def chat(agent: AgentProc, url: str, max_tokens: int = 8, timeout: float = 120) -> tuple[int, str]:
+    """A greedy chat completion about the image at url: (HTTP status, body)."""
     body = {
         "model": SERVED,
         "max_tokens": max_tokens,
@@ -99,16 +101,63 @@ def ask(agent: AgentProc, seed: int, max_tokens: int = 8, timeout: float = 120) 
             {
                 "role": "user",
                 "content": [
-                    {"type": "image_url", "image_url": {"url": png_data_url(seed)}},
+                    {"type": "image_url", "image_url": {"url": url}},
                     {"type": "text", "text": "What is in the image?"},
                 ],
             }
         ],
     }
-    status, text = agent.request("POST", "/v1/chat/completions", body, timeout=timeout)
+    return agent.request("POST", "/v1/chat/completions", body, timeout=timeout)
+
+
+def ask(agent: AgentProc, seed: int, max_tokens: int = 8, timeout: float = 120) -> str:
+    """A greedy chat completion about one image (sent through the agent's serve port)."""
+    status, text = chat(agent, png_data_url(seed), max_tokens, timeout)
     if status != 200:
         raise RuntimeError(f"HTTP {status}: {text[:500]}")
     return str(json.loads(text)["choices"][0]["message"]["content"])
+
+
+class MediaServer:
+    """A loopback HTTP server with one PNG and a redirect to it; records what vLLM asks."""
+
+    def __init__(self) -> None:
+        png = base64.b64decode(png_data_url(7).split(",", 1)[1])
+        seen = self.seen = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                seen.append(self.path)
+                if self.path == "/img.png":
+                    self.send_response(200)
+                    self.send_header("Content-Type", "image/png")
+                    self.send_header("Content-Length", str(len(png)))
+                    self.end_headers()
+                    self.wfile.write(png)
+                elif self.path == "/redirect":
+                    self.send_response(302)
+                    self.send_header("Location", "/img.png")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                else:
+                    self.send_error(404)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def url(self, host: str, path: str) -> str:
+        return f"http://{host}:{self.httpd.server_address[1]}{path}"
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+# Where the sized agent may fetch media from (spec.multimodal.allowedMediaDomains).
+MEDIA = {"allowed_media_domains": "127.0.0.1"}
 
 
 def fill(agent: AgentProc, first_seed: int, n: int = FILL_IMAGES) -> list[str]:
@@ -233,6 +282,8 @@ class SizedRun:
     restored_answers: list[str] = field(default_factory=list)  # 1, then 3 twice
     restored_sights: list[Deltas] = field(default_factory=list)  # 1; 3 and 3 together
     restored_state: str = ""
+    media: dict[str, tuple[int, str]] = field(default_factory=dict)  # case -> (status, body)
+    media_seen: list[str] = field(default_factory=list)  # paths the media server was asked
 
 
 def _sight(factory: AgentFactory, agent: AgentProc, seed: int) -> tuple[str, Deltas]:
@@ -249,12 +300,23 @@ def sized(tmp_path_factory: pytest.TempPathFactory, vlm_model: Path, criu_prefix
     factory = make_factory(tmp_path_factory.mktemp("sized"), vlm_model, criu_prefix)
     r = SizedRun()
     try:
-        agent = start_in_pod(factory, "sized", sized_shm_bytes())
+        agent = start_in_pod(factory, "sized", sized_shm_bytes(), **MEDIA)
         agent.wait_ready(900)
         r.answers[1], first = _sight(factory, agent, 1)
         r.second, again = _sight(factory, agent, 1)
         r.answers[2], _ = _sight(factory, agent, 2)
         r.sights = [first, again]
+        media = MediaServer()
+        try:
+            cases = {
+                "allowed": ("127.0.0.1", "/img.png"),
+                "other_host": ("localhost", "/img.png"),
+                "redirect": ("127.0.0.1", "/redirect"),
+            }
+            r.media = {k: chat(agent, media.url(*where)) for k, where in cases.items()}
+            r.media_seen = list(media.seen)
+        finally:
+            media.close()
         (r.ring_after_two,) = ring_buffers(agent)
         shm = os.statvfs(f"/proc/{agent.proc.pid}/root/dev/shm")
         r.shm_bytes = shm.f_blocks * shm.f_frsize
@@ -276,7 +338,9 @@ def sized(tmp_path_factory: pytest.TempPathFactory, vlm_model: Path, criu_prefix
                 r.saved_blocks = (ckpt / "shm" / str(f["name"])).stat().st_blocks * 512
         agent.stop()  # its vLLM's port, shared like pods', is the restored one's
 
-        restored = start_in_pod(factory, "restored", sized_shm_bytes(), restore_from=str(ckpt))
+        restored = start_in_pod(
+            factory, "restored", sized_shm_bytes(), restore_from=str(ckpt), **MEDIA
+        )
         r.restored = dict(restored.wait_ready(600).raw)
         (r.ring_after,) = ring_buffers(restored)
         answer, deltas = _sight(factory, restored, 1)  # vLLM's counters came back with it
@@ -294,6 +358,17 @@ def sized(tmp_path_factory: pytest.TempPathFactory, vlm_model: Path, criu_prefix
     finally:
         factory.stop_all()
     return r
+
+
+def test_media_urls_come_only_from_allowed_hosts_and_never_by_redirect(sized: SizedRun) -> None:
+    """vLLM's own checks, as the operator configures them (allowedMediaDomains, redirects off):
+    a host outside the list is refused before any connection; a redirect is not followed."""
+    assert sized.media["allowed"][0] == 200, sized.media
+    assert sized.media["other_host"][0] == 400, sized.media
+    assert "allowed domains" in sized.media["other_host"][1], sized.media
+    assert sized.media["redirect"][0] >= 400, sized.media
+    # localhost was never fetched; the redirect's target was never fetched after it.
+    assert sized.media_seen == ["/img.png", "/redirect"], sized.media_seen
 
 
 def test_same_image_twice_is_a_shm_cache_hit(sized: SizedRun) -> None:

@@ -41,6 +41,7 @@ VALUES = {
     "--enable-sleep-mode": None,  # a switch
     "--kv-offloading-size": "3",
     "--kv-offloading-backend": "lmcache",
+    "--allowed-media-domains": "evil.example",
 }
 
 

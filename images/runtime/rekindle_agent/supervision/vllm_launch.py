@@ -60,6 +60,11 @@ def keep_mm_cache(model: str, env: Mapping[str, str]) -> bool:
     return config is None or takes_images(config)
 
 
+def media_domains(value: str | None) -> tuple[str, ...]:
+    """--allowed-media-domains "a.example,b.example" as vLLM's list (empty: any host)."""
+    return tuple(d.strip() for d in (value or "").split(",") if d.strip())
+
+
 def vllm_options(cfg: AgentConfig, env: Mapping[str, str] | None = None) -> VllmOptions:
     mm = keep_mm_cache(cfg.model, os.environ if env is None else env)
     return VllmOptions(
@@ -76,6 +81,7 @@ def vllm_options(cfg: AgentConfig, env: Mapping[str, str] | None = None) -> Vllm
         prefix_caching=cfg.prefix_caching,
         kv_offload_gb=cfg.kv_offload_gb,
         kv_store_dir=cfg.kv_store_dir,
+        allowed_media_domains=media_domains(cfg.allowed_media_domains),
         extra_args=tuple(cfg.vllm_args),
     )
 
@@ -102,6 +108,7 @@ def vllm_env(
     base: dict[str, str] | None = None,
     run_dir: str | None = None,
     tensor_parallel_size: int = 1,
+    media_redirects: bool = False,
 ) -> dict[str, str]:
     """Environment for vLLM: offline, no telemetry, dev endpoints for sleep/collective_rpc.
 
@@ -113,6 +120,8 @@ def vllm_env(
     2 MiB and more, which a weight reload needs to map the dump instead of
     copying it (docs/weights.md, "Mapped reload"). GPU is left as it is: its
     weights live in device memory, which is never mapped from the dump.
+    Media URLs are fetched without following redirects unless media_redirects
+    (vLLM follows them by default: an allowed host could send it anywhere).
     """
     env = dict(os.environ if base is None else base)
     env.update(
@@ -124,6 +133,7 @@ def vllm_env(
         PYTHONUNBUFFERED="1",
         # CRIU cannot dump io_uring; libuv honours this (uvloop does not: see seccomp.py).
         UV_USE_IO_URING="0",
+        VLLM_MEDIA_URL_ALLOW_REDIRECTS="1" if media_redirects else "0",
     )
     if device == "cpu":
         env.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -142,5 +152,10 @@ def vllm_env(
 
 def vllm_command(cfg: AgentConfig) -> tuple[list[str], dict[str, str]]:
     """vLLM's argv and environment for cfg (what the agent starts and fingerprints)."""
-    env = vllm_env(cfg.device, run_dir=cfg.run_dir, tensor_parallel_size=cfg.tensor_parallel_size)
+    env = vllm_env(
+        cfg.device,
+        run_dir=cfg.run_dir,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        media_redirects=cfg.media_redirects,
+    )
     return vllm_argv(vllm_options(cfg)), env

@@ -57,8 +57,13 @@ def service_proxy_path(namespace: str, service: str, port: int, sub: str) -> str
     return f"/api/v1/namespaces/{namespace}/services/{service}:{port}/proxy/{sub.lstrip('/')}"
 
 
+class ConfigError(RuntimeError):
+    """No usable connection settings; the message says what to set."""
+
+
 def load_configuration(kubeconfig: str | None = None) -> Any:
-    """kubernetes.client.Configuration from in-cluster env, else kubeconfig (KUBECONFIG)."""
+    """kubernetes.client.Configuration from in-cluster env, else kubeconfig (KUBECONFIG):
+    the operator's order (it runs in a pod)."""
     from kubernetes import client, config
 
     cfg = client.Configuration()
@@ -71,19 +76,51 @@ def load_configuration(kubeconfig: str | None = None) -> Any:
     return cfg
 
 
+def kubectl_configuration(kubeconfig: str | None = None, context: str | None = None) -> Any:
+    """Connection settings as kubectl finds them: --kubeconfig, else KUBECONFIG, else
+    ~/.kube/config (its current context, or --context), else the pod's service account.
+
+    The maintained client's loaders do the work (exec credential plugins, tokens,
+    client certificates, proxy-url); ConfigError says what to set when none applies.
+    """
+    from kubernetes import client, config
+
+    cfg = client.Configuration()
+    try:
+        config.load_kube_config(config_file=kubeconfig, context=context, client_configuration=cfg)
+        return cfg
+    except config.ConfigException as e:
+        missing = "No configuration found" in str(e) or "does not exist" in str(e)
+        if not missing or kubeconfig or context:
+            raise ConfigError(f"kubeconfig: {e}") from None
+    try:
+        config.load_incluster_config(client_configuration=cfg)
+    except config.ConfigException:
+        raise ConfigError(
+            "no kubeconfig found (KUBECONFIG, ~/.kube/config) and not in a pod: set "
+            "KUBECONFIG or pass --kubeconfig, as for kubectl"
+        ) from None
+    return cfg
+
+
 class Kube:
     """JSON over the apiserver's REST API, with the credentials kubectl would use."""
 
     def __init__(self, configuration: Any | None = None) -> None:
         self.cfg = configuration if configuration is not None else load_configuration()
         self.host = str(self.cfg.host).rstrip("/")
-        self.pool = urllib3.PoolManager(
-            num_pools=4,
-            maxsize=8,
-            cert_reqs="CERT_REQUIRED" if self.cfg.verify_ssl else "CERT_NONE",
-            ca_certs=self.cfg.ssl_ca_cert,
-            cert_file=self.cfg.cert_file,
-            key_file=self.cfg.key_file,
+        tls = {
+            "cert_reqs": "CERT_REQUIRED" if self.cfg.verify_ssl else "CERT_NONE",
+            "ca_certs": self.cfg.ssl_ca_cert,
+            "cert_file": self.cfg.cert_file,
+            "key_file": self.cfg.key_file,
+        }
+        # A kubeconfig's proxy-url: through that proxy, as kubectl does.
+        proxy = getattr(self.cfg, "proxy", None)
+        self.pool: urllib3.PoolManager = (
+            urllib3.ProxyManager(proxy, num_pools=4, maxsize=8, **tls)
+            if proxy
+            else urllib3.PoolManager(num_pools=4, maxsize=8, **tls)
         )
 
     def _auth(self) -> dict[str, str]:

@@ -1,7 +1,10 @@
 """`kubectl rekindle`: checkpoint, restore, status and bench an InferenceService.
 
 Installed as the console script `kubectl-rekindle`, so kubectl finds it as a
-plugin. Uses the same credentials as kubectl (KUBECONFIG / ~/.kube/config).
+plugin. Uses the same credentials as kubectl (--kubeconfig, KUBECONFIG,
+~/.kube/config, --context; in a pod, its service account). Exit status: 0 done;
+1 the operation failed or the API refused it; 2 bad usage or no usable
+kubeconfig; 3 the cluster could not be reached. Errors are one line.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from rekindle_operator.constants import (
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kubectl rekindle", description=__doc__)
     p.add_argument("-n", "--namespace", default=None, help="default: the kubeconfig's namespace")
-    p.add_argument("--kubeconfig", default=None)
+    p.add_argument("--kubeconfig", default=None, help="default: KUBECONFIG, ~/.kube/config")
+    p.add_argument("--context", default=None, help="default: the kubeconfig's current context")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     c = sub.add_parser("checkpoint", help="checkpoint a ready replica of NAME")
@@ -99,21 +103,24 @@ def restart_patch(now: str | None = None) -> dict[str, Any]:
 
 
 def _kube(args: argparse.Namespace) -> Any:
-    from rekindle_operator.kube import Kube, load_configuration
+    from rekindle_operator.kube import Kube, kubectl_configuration
 
-    return Kube(load_configuration(args.kubeconfig))
+    return Kube(kubectl_configuration(args.kubeconfig, args.context))
 
 
 def _namespace(args: argparse.Namespace) -> str:
+    """-n, else the namespace of the context in use, else "default" (as kubectl)."""
     if args.namespace:
         return str(args.namespace)
     try:
         from kubernetes import config
 
-        _, active = config.list_kube_config_contexts(config_file=args.kubeconfig)
-        return str(active.get("context", {}).get("namespace") or "default")
-    except Exception:
+        contexts, active = config.list_kube_config_contexts(config_file=args.kubeconfig)
+    except Exception:  # no kubeconfig (in a pod): _kube says what is missing
         return "default"
+    if args.context:
+        active = next((c for c in contexts if c.get("name") == args.context), {})
+    return str((active.get("context") or {}).get("namespace") or "default")
 
 
 def _require_isvc(kube: Any, ns: str, name: str) -> dict[str, Any]:
@@ -313,19 +320,35 @@ COMMANDS = {
 }
 
 
+EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 1, 2, 3
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)  # bad usage: argparse exits 2
+    from urllib3.exceptions import HTTPError
+
+    from rekindle_operator.kube import ConfigError, KubeError
+
     try:
         return COMMANDS[args.cmd](args)
     except KeyboardInterrupt:
         return 130
-    except Exception as e:  # a clear one-line error, not a traceback, for kubectl users
-        from rekindle_operator.kube import KubeError
+    except ConfigError as e:  # one line that says what to do, never a traceback
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KubeError as e:
+        print(f"error: the API server refused: HTTP {e.status}: {e.message}", file=sys.stderr)
+        return EXIT_FAILED
+    except (HTTPError, OSError) as e:
+        print(f"error: cannot reach the cluster: {_reason(e)}", file=sys.stderr)
+        return EXIT_UNREACHABLE
 
-        if isinstance(e, KubeError):
-            print(f"error: {e.message}", file=sys.stderr)
-            return 1
-        raise
+
+def _reason(e: BaseException) -> str:
+    """urllib3's deepest reason (a refused connection, a TLS failure), on one line."""
+    while getattr(e, "reason", None) is not None and isinstance(e.reason, BaseException):  # type: ignore[attr-defined]
+        e = e.reason  # type: ignore[attr-defined]
+    return " ".join(str(e).split())
 
 
 if __name__ == "__main__":

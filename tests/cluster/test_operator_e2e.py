@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from rekindle_agent.mapped_files import immutable
 from rekindle_operator.pods import BUSY_STATES
 from rekindle_operator.quantity import to_bytes
@@ -372,6 +373,33 @@ def test_checkpoint_ready_then_new_replica_restores_with_same_output(
     status = run_plugin(kubectl_rekindle, "-n", op_namespace, "status", NAME)
     assert status.returncode == 0 and ": restored" in status.stdout, status.stdout
     assert "memory mmap" in status.stdout, status.stdout
+
+
+def test_plugin_talks_to_the_context_it_is_given(
+    served: dict[str, Any], op_namespace: str, kubectl_rekindle: dict[str, str], tmp_path: Path
+) -> None:
+    """kubectl's rules: --context picks the cluster and user; without it the current
+    context is used, and an unreachable one is one line and exit status 3."""
+    real = yaml.safe_load(Path(kubectl_rekindle["KUBECONFIG"]).read_text())
+    real_context = real["current-context"]
+    real["clusters"].append({"name": "nowhere", "cluster": {"server": "https://127.0.0.1:1"}})
+    real["contexts"].append(
+        {
+            "name": "nowhere",
+            "context": {"cluster": "nowhere", "user": real["contexts"][0]["context"]["user"]},
+        }
+    )
+    real["current-context"] = "nowhere"
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump(real))
+    env = {**kubectl_rekindle, "KUBECONFIG": str(kubeconfig)}
+    down = run_plugin(env, "-n", op_namespace, "status", NAME)
+    assert down.returncode == 3, down
+    assert (
+        down.stderr.startswith("error: cannot reach the cluster") and down.stderr.count("\n") == 1
+    )
+    up = run_plugin(env, "--context", real_context, "-n", op_namespace, "status", NAME)
+    assert up.returncode == 0 and NAME in up.stdout, up
 
 
 def in_use(ns: str) -> dict[str, Any]:

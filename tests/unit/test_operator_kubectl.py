@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,7 @@ from rekindle_operator.kubectl_plugin import (
     build_parser,
     checkpoint_object,
     format_status,
+    main,
     restart_patch,
 )
 
@@ -201,3 +204,83 @@ def test_bench_refuses_a_service_with_an_api_key() -> None:
 
     with pytest.raises(SystemExit, match="apiKeySecretRef"):
         cluster_bench.run(OneIsvc(), "ns", "tiny", 1)  # type: ignore[arg-type]
+
+
+# --- connection settings and errors, as kubectl users expect them ----------------------
+def _kubeconfig(path: Path, servers: dict[str, str], current: str) -> Path:
+    """A kubeconfig with one context per server (namespace team-NAME)."""
+    doc = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": n, "cluster": {"server": s}} for n, s in servers.items()],
+        "users": [{"name": "u", "user": {"token": "t0ken"}}],
+        "contexts": [
+            {"name": n, "context": {"cluster": n, "user": "u", "namespace": f"team-{n}"}}
+            for n in servers
+        ],
+        "current-context": current,
+    }
+    path.write_text(json.dumps(doc))  # JSON is YAML
+    return path
+
+
+def test_no_kubeconfig_is_one_line_and_exit_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "absent"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    assert main(["status", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: no kubeconfig found") and err.count("\n") == 1, err
+    assert "KUBECONFIG" in err and "--kubeconfig" in err
+    # A context that the kubeconfig lacks: the same exit status, the loader's reason.
+    kc = _kubeconfig(tmp_path / "kc", {"a": "http://127.0.0.1:1"}, "a")
+    assert main(["--kubeconfig", str(kc), "--context", "zz", "status", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: kubeconfig:") and "zz" in err and err.count("\n") == 1, err
+
+
+def test_the_context_picks_server_and_namespace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A loopback stand-in for an apiserver answers 404 to everything and records what it
+    was asked: --context b reaches b's server, in b's namespace; the current context
+    (a, nothing listening) is unreachable: one line, exit status 3."""
+    seen: list[tuple[str, str | None]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            seen.append((self.path, self.headers.get("Authorization")))
+            body = json.dumps({"kind": "Status", "code": 404, "message": "not found"}).encode()
+            self.send_response(404)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        port = server.server_address[1]
+        kc = _kubeconfig(
+            tmp_path / "kc", {"a": "http://127.0.0.1:1", "b": f"http://127.0.0.1:{port}"}, "a"
+        )
+        assert main(["--kubeconfig", str(kc), "status", "tiny"]) == 3
+        err = capsys.readouterr().err
+        assert err.startswith("error: cannot reach the cluster") and "port=1" in err, err
+        assert err.count("\n") == 1 and not seen
+        with pytest.raises(SystemExit, match="not found in namespace team-b"):
+            main(["--kubeconfig", str(kc), "--context", "b", "status", "tiny"])
+        assert seen == [
+            (
+                "/apis/rekindle.dev/v1alpha1/namespaces/team-b/inferenceservices/tiny",
+                "Bearer t0ken",
+            )
+        ]
+    finally:
+        server.shutdown()
+        server.server_close()

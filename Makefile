@@ -28,13 +28,14 @@ help: ## list the targets
 env: ## build (or reuse) the Python env and install this checkout into .venv (editable)
 	@scripts/python-env >/dev/null
 
-lint: env ## ruff (lint + format check), mypy, the import contracts (import-linter), helm lint --strict
+lint: env ## ruff (lint + format check), mypy, the import contracts (import-linter), helm lint --strict, helm package
 	ruff check .
 	ruff format --check .
 	$(PY) -m mypy
 	$(PY) -c 'import sys; from importlinter.cli import lint_imports_command as c; sys.exit(c())' --no-cache
 	scripts/build-kubernetes >/dev/null  # the pinned helm
 	helm lint --strict charts/rekindle
+	d=$$(mktemp -d) && helm package charts/rekindle -d "$$d" >/dev/null && rm -rf "$$d"
 
 fmt: env ## format and autofix with ruff
 	ruff format .

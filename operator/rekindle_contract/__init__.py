@@ -6,6 +6,9 @@ names, the worker-extension RPC names, and the two command lines that must
 agree: the agent's (built by the operator) and vLLM's (built by the agent).
 """
 
+# The Python distribution that installs these packages (pyproject.toml's name).
+DISTRIBUTION = "rekindle-vllm"
+
 
 def __getattr__(name: str) -> str:
     """__version__ on first use: importlib.metadata costs ~40 ms of every agent start."""
@@ -14,6 +17,6 @@ def __getattr__(name: str) -> str:
     from importlib import metadata
 
     try:
-        return metadata.version("rekindle")
+        return metadata.version(DISTRIBUTION)
     except metadata.PackageNotFoundError:  # a source tree that was not installed
         return "0+unknown"

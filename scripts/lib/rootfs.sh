@@ -81,12 +81,13 @@ install_project() {
 		-w "$wheels" . >&2)
 	rm -rf "$REKINDLE_ROOT/build"
 	"$deps_venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps --no-compile \
-		--root "$out" --prefix "$venv_path" "$wheels"/rekindle-*.whl >&2
+		--root "$out" --prefix "$venv_path" "$wheels"/rekindle_vllm-*.whl >&2
 	rm -rf "$wheels"
 	site=$(find "$out$venv_path/lib" -maxdepth 2 -name site-packages -type d)
 	keep=" $* "
 	for p in "$site"/rekindle_*/; do
 		p=$(basename "$p")
+		[[ $p == *.dist-info ]] && continue # the distribution's metadata (its version)
 		[[ $keep == *" $p "* ]] || rm -rf "${site:?}/$p"
 	done
 	[[ $keep == *" rekindle_dev "* ]] || rm -f "$out$venv_path/bin/rekindle-dev"
@@ -95,6 +96,6 @@ install_project() {
 	[[ $keep == *" rekindle_operator "* ]] || rm -f "$out$venv_path/bin/kubectl-rekindle"
 	sed -i "1s|^#!.*python.*$|#!$venv_path/bin/python|" "$out$venv_path"/bin/*
 	# Same source, same bytes: the image is keyed by this layer's content.
-	rm -f "$site"/rekindle-*.dist-info/direct_url.json
+	rm -f "$site"/rekindle_vllm-*.dist-info/direct_url.json
 	find "$out" -name __pycache__ -prune -exec rm -rf {} +
 }

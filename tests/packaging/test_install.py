@@ -92,3 +92,22 @@ def test_no_pythonpath_in_the_build_and_test_files() -> None:
         text=True,
     ).stdout.split()
     assert [f for f in found if f != "tests/packaging/test_install.py"] == [], found
+
+
+def test_the_distribution_name_and_a_missing_kubeconfig(
+    operator_venv: Path, tmp_path: Path
+) -> None:
+    """Installed as rekindle-vllm (the plain name is another project's on the index); with
+    no kubeconfig the plugin says so in one line and exits 2, as kubectl users expect."""
+    shown = run(operator_venv, "pip", "show", "rekindle-vllm")
+    assert shown.returncode == 0 and "Name: rekindle-vllm" in shown.stdout, shown.stderr
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "KUBECONFIG": str(tmp_path / "none")}
+    out = subprocess.run(
+        [str(operator_venv / "bin" / "kubectl-rekindle"), "status", "tiny"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert out.returncode == 2, out
+    assert out.stderr.startswith("error: no kubeconfig found") and out.stderr.count("\n") == 1, out

@@ -243,7 +243,7 @@ def test_notes_need_no_checkout(tmp_path: Path) -> None:
     for repo_path in ("examples/", "docs/", "charts/", "'.[operator]'", "scripts/"):
         assert repo_path not in notes, repo_path
     assert "kubectl explain inferenceservice" in notes
-    assert "pip install 'rekindle[operator]" in notes
+    assert "pip install 'rekindle-vllm[operator]" in notes
     assert "kubectl rekindle -n team-a status" in notes
     # The inline InferenceService is a valid manifest naming the allowed runtime image.
     body = notes.split("<<'YAML'\n", 1)[1].split("     YAML\n", 1)[0]

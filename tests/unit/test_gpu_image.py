@@ -180,7 +180,7 @@ def test_entrypoint_is_the_installed_agent(
     argv = json.loads(entry)
     assert Path(argv[0]).name == AGENT_COMMAND[0] and argv[1:] == list(AGENT_COMMAND[1:])
     run = final.runs()
-    assert "pip install --no-cache-dir /tmp/wheels/rekindle-*.whl" in run
+    assert "pip install --no-cache-dir /tmp/wheels/rekindle_vllm-*.whl" in run
     assert "import rekindle_agent.agent" in run
     assert "rm -rf" in run and "rekindle_operator" in run  # the operator does not ship here
 

@@ -54,6 +54,45 @@ def apply(
     return kubectl("apply", "-n", namespace, *extra, "-f", "-", input=text, check=False)
 
 
+def host_path_claim(
+    ns: str, claim: str, directory: Path, access_mode: str = "ReadWriteOnce", size: str = "1Gi"
+) -> str:
+    """A hostPath PersistentVolume holding directory, bound to claim in ns (no
+    provisioner in the local cluster): what a platform's NFS or CSI volume is to
+    the tests. Returns the volume's name (cluster-scoped: delete it after)."""
+    pv = f"{ns}-{claim}"
+    volume = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolume",
+        "metadata": {"name": pv},
+        "spec": {
+            "capacity": {"storage": size},
+            "accessModes": [access_mode],
+            "storageClassName": "",
+            "persistentVolumeReclaimPolicy": "Retain",
+            "hostPath": {"path": str(directory), "type": "Directory"},
+            "claimRef": {"namespace": ns, "name": claim},
+        },
+    }
+    kubectl("apply", "-f", "-", input=json.dumps(volume))
+    r = apply(
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {"name": claim},
+            "spec": {
+                "accessModes": [access_mode],
+                "storageClassName": "",
+                "volumeName": pv,
+                "resources": {"requests": {"storage": size}},
+            },
+        },
+        ns,
+    )
+    assert r.returncode == 0, r.stderr
+    return pv
+
+
 def get(kind: str, name: str, namespace: str) -> dict[str, Any] | None:
     r = kubectl("get", kind, name, "-n", namespace, "-o", "json", check=False)
     return json.loads(r.stdout) if r.returncode == 0 else None

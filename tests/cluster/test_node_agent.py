@@ -41,6 +41,7 @@ from tests.cluster.operator_fixtures import (
     data_dir,
     flip_middle,
     get,
+    host_path_claim,
     http_json,
     install_crds,
     isvc_manifest,
@@ -376,42 +377,7 @@ def shared_storage(tenant: str) -> Iterator[Path]:
     for d in (root / tenant, root / tenant / NAME):
         os.chown(d, 65534, 65534)
         os.chmod(d, 0o770)
-    pv = f"{tenant}-shared"
-    spec = {
-        "capacity": {"storage": "20Gi"},
-        "accessModes": ["ReadWriteMany"],
-        "storageClassName": "",
-        "persistentVolumeReclaimPolicy": "Retain",
-    }
-    kubectl(
-        "apply",
-        "-f",
-        "-",
-        input=json.dumps(
-            {
-                "apiVersion": "v1",
-                "kind": "PersistentVolume",
-                "metadata": {"name": pv},
-                "spec": {
-                    **spec,
-                    "hostPath": {"path": str(root), "type": "Directory"},
-                    "claimRef": {"namespace": tenant, "name": SHARED_CLAIM},
-                },
-            }
-        ),
-    )
-    claim = {
-        "apiVersion": "v1",
-        "kind": "PersistentVolumeClaim",
-        "metadata": {"name": SHARED_CLAIM},
-        "spec": {
-            "accessModes": spec["accessModes"],
-            "storageClassName": "",
-            "volumeName": pv,
-            "resources": {"requests": spec["capacity"]},
-        },
-    }
-    assert apply(claim, tenant).returncode == 0
+    pv = host_path_claim(tenant, SHARED_CLAIM, root, access_mode="ReadWriteMany", size="20Gi")
     try:
         yield root
     finally:

@@ -20,7 +20,6 @@ deletes the three when the module ends.
 from __future__ import annotations
 
 import base64
-import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +32,7 @@ from rekindle_dev.models import TinyModelSpec, generate_tiny_model
 from tests.cluster.cluster_tools import kubectl, kubectl_json
 from tests.cluster.operator_fixtures import (
     apply,
+    host_path_claim,
     http_json,
     isvc_manifest,
     op_namespace,
@@ -73,43 +73,7 @@ PV_CLAIM = "models"
 
 def pv_and_claim(ns: str, node_dir: Path) -> str:
     """A hostPath PersistentVolume holding node_dir, bound to claim `models` in ns."""
-    pv = f"{ns}-models"
-    kubectl(
-        "apply",
-        "-f",
-        "-",
-        input=json.dumps(
-            {
-                "apiVersion": "v1",
-                "kind": "PersistentVolume",
-                "metadata": {"name": pv},
-                "spec": {
-                    "capacity": {"storage": "1Gi"},
-                    "accessModes": ["ReadWriteOnce"],
-                    "storageClassName": "",
-                    "persistentVolumeReclaimPolicy": "Retain",
-                    "hostPath": {"path": str(node_dir), "type": "Directory"},
-                    "claimRef": {"namespace": ns, "name": PV_CLAIM},
-                },
-            }
-        ),
-    )
-    r = apply(
-        {
-            "apiVersion": "v1",
-            "kind": "PersistentVolumeClaim",
-            "metadata": {"name": PV_CLAIM},
-            "spec": {
-                "accessModes": ["ReadWriteOnce"],
-                "storageClassName": "",
-                "volumeName": pv,
-                "resources": {"requests": {"storage": "1Gi"}},
-            },
-        },
-        ns,
-    )
-    assert r.returncode == 0, r.stderr
-    return pv
+    return host_path_claim(ns, PV_CLAIM, node_dir)
 
 
 def node_address() -> str:

@@ -105,11 +105,12 @@ repository@digest when a digest is set (it wins over the tag), else repository:t
   verbs: ["get", "list", "watch", "patch"]
 - apiGroups: ["rekindle.dev"]
   resources: ["inferenceservices/status", "checkpoints/status"]
-  verbs: ["get", "patch"]
-# Owned objects: server-side apply (patch) or create-once.
+  verbs: ["patch"]
+# Owned objects: server-side apply (patch; a create when the object is new) or
+# create-once; read by name first (is it ours?).
 - apiGroups: ["apps"]
   resources: ["deployments"]
-  verbs: ["get", "list", "watch", "create", "patch"]
+  verbs: ["get", "create", "patch"]
 # ReplicaSets: read only, to trust only pods the service's own Deployment made.
 - apiGroups: ["apps"]
   resources: ["replicasets"]
@@ -128,7 +129,7 @@ repository@digest when a digest is set (it wins over the tag), else repository:t
 # Pods: pick one to checkpoint, take it out of the Service (label), mirror its boot path.
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["get", "list", "watch", "patch"]
+  verbs: ["get", "list", "patch"]
 # Deleting a checkpoint's data (deletionPolicy Delete) runs a short Job.
 - apiGroups: ["batch"]
   resources: ["jobs"]
@@ -137,7 +138,8 @@ repository@digest when a digest is set (it wins over the tag), else repository:t
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
   verbs: ["get", "create", "patch"]
-- apiGroups: ["", "events.k8s.io"]
+# kopf posts core v1 Events.
+- apiGroups: [""]
   resources: ["events"]
-  verbs: ["create", "patch"]
+  verbs: ["create"]
 {{- end }}

@@ -1,9 +1,14 @@
-"""A small synchronous Kubernetes REST client over dicts.
+"""The operator's Kubernetes calls, as dicts, over the official client's transport.
 
-The generated `kubernetes` client changes its typed models between releases;
-the operator only needs GET/POST/PATCH/DELETE of JSON on a handful of paths,
-plus server-side apply. Connection settings (kubeconfig or in-cluster) come
-from the `kubernetes` package's loaders, so auth works the same as kubectl.
+The official `kubernetes` package does the connection: its loaders read the
+kubeconfig or the pod's service account (contexts, exec credential plugins,
+token refresh, client certificates) and its REST client makes the requests
+(TLS, proxy-url and no_proxy, retries). What this module adds is small: the
+paths of the dozen kinds the operator touches, server-side apply with its
+field manager, and plain dicts in and out. The generated typed models are
+not used: the operator builds whole objects as dicts (builders.py) and
+applies them as they are, which the typed API would only convert back and
+forth, and their classes change between client releases.
 """
 
 from __future__ import annotations
@@ -12,8 +17,6 @@ import json
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlencode
-
-import urllib3
 
 from rekindle_operator.constants import CKPT_PLURAL, GROUP, ISVC_PLURAL, VERSION
 
@@ -107,21 +110,11 @@ class Kube:
     """JSON over the apiserver's REST API, with the credentials kubectl would use."""
 
     def __init__(self, configuration: Any | None = None) -> None:
+        from kubernetes.client.rest import RESTClientObject
+
         self.cfg = configuration if configuration is not None else load_configuration()
         self.host = str(self.cfg.host).rstrip("/")
-        tls = {
-            "cert_reqs": "CERT_REQUIRED" if self.cfg.verify_ssl else "CERT_NONE",
-            "ca_certs": self.cfg.ssl_ca_cert,
-            "cert_file": self.cfg.cert_file,
-            "key_file": self.cfg.key_file,
-        }
-        # A kubeconfig's proxy-url: through that proxy, as kubectl does.
-        proxy = getattr(self.cfg, "proxy", None)
-        self.pool: urllib3.PoolManager = (
-            urllib3.ProxyManager(proxy, num_pools=4, maxsize=8, **tls)
-            if proxy
-            else urllib3.PoolManager(num_pools=4, maxsize=8, **tls)
-        )
+        self.rest = RESTClientObject(self.cfg)
 
     def _auth(self) -> dict[str, str]:
         key = self.cfg.get_api_key_with_prefix("authorization") or self.cfg.get_api_key_with_prefix(
@@ -138,16 +131,21 @@ class Kube:
         content_type: str = "application/json",
         timeout: float = 30.0,
     ) -> Any:
+        from kubernetes.client.exceptions import ApiException
+
         headers = {"Accept": "application/json", **self._auth()}
-        data = None
         if body is not None:
-            headers["Content-Type"] = content_type
-            data = json.dumps(body).encode()
+            headers["Content-Type"] = content_type  # the client serializes body as JSON
         url = self.host + url_path
         if query:
             url += "?" + urlencode(dict(query))
-        resp = self.pool.request(method, url, body=data, headers=headers, timeout=timeout)
-        text = resp.data.decode(errors="replace")
+        try:
+            resp = self.rest.request(
+                method, url, headers=headers, body=body, _request_timeout=timeout
+            )
+        except ApiException as e:  # the client's TLS failures (status 0): not an answer
+            raise OSError(" ".join(str(e.reason).split())) from None
+        text = resp.read().decode(errors="replace")
         if resp.status >= 400:
             try:
                 message = json.loads(text).get("message", text)

@@ -3,12 +3,13 @@
 Pure (no apiserver, no pods): the builders use the names, pods.py and
 reconcile.py read the Secret through the apiserver and hand it here.
 
-Whether a pod's agent speaks HTTPS is read from the pod, not from the spec:
-while a rollout turns TLS on or off, the old pods still speak what they were
-started with, and the operator must reach both kinds. It is read from the
-pod's spec (the admin-tls Secret volume, which cannot change after the pod
-is created), never from an annotation alone: anyone who may patch pods
-could remove an annotation and have the token sent in clear.
+Whether a pod's agent speaks HTTPS is read from the pod: while a rollout
+turns TLS off, the old pods still speak what they were started with. It is
+read from the pod's spec (the admin-tls Secret volume, which cannot change
+after the pod is created), never from an annotation alone: anyone who may
+patch pods could remove an annotation and have the token sent in clear.
+Whether TLS is due is the InferenceService's spec: with spec.adminTLS set, a
+pod without the volume gets no token at all (pods.Agents.client).
 """
 
 from __future__ import annotations

@@ -109,7 +109,8 @@ def _start(kube: Kube, body: Body, emit: Emit, agents: Agents) -> Status:
     ready = ready_pods(service_pods(kube, ns, isvc_name), spec.get("pod"))
     candidates, skipped = current_spec_pods(ready, fingerprint)
     token = read_token(kube, ns, isvc_name) if candidates else ""
-    pod, not_ready = _checkpointable(candidates, token, agents)
+    tls = isvc_spec.admin_tls is not None
+    pod, not_ready = _checkpointable(candidates, token, agents, tls)
     if pod is None:
         return _wait_for_pod(kube, body, emit, isvc_name, skipped + not_ready)
 
@@ -131,6 +132,8 @@ def _start(kube: Kube, body: Body, emit: Emit, agents: Agents) -> Status:
         "node": (pod.get("spec") or {}).get("nodeName", ""),
         "image": isvc_spec.image,
         "imagePullPolicy": isvc_spec.image_pull_policy,
+        # The pod is reached over HTTPS from now on, whatever the spec becomes.
+        "adminTLS": tls,
     }
     _set_status(kube, body, running)
     emit("Normal", "CheckpointStarted", f"checkpointing pod {pod_name} into {path}")
@@ -143,6 +146,7 @@ def _start(kube: Kube, body: Body, emit: Emit, agents: Agents) -> Status:
         timeout=_timeout(body),
         # Back in the Service as soon as the agent answers, whatever the answer.
         then=lambda: set_serving(kube, ns, pod_name, True),
+        tls_required=tls,
     )
     return running
 
@@ -173,7 +177,7 @@ def _ask_agent(
     if pod is None or not (pod.get("status") or {}).get("podIP"):
         return None, None, "pod gone"
     token = read_token(kube, meta["namespace"], body["spec"]["inferenceService"])
-    return (pod, *agents.ask_status(pod, token))
+    return (pod, *agents.ask_status(pod, token, bool(status.get("adminTLS"))))
 
 
 def _record(kube: Kube, body: Body, emit: Emit, call: CheckpointCall) -> Status:
@@ -455,7 +459,7 @@ def set_serving(kube: Kube, namespace: str, pod: str, serving: bool) -> None:
 
 
 def _checkpointable(
-    candidates: list[Body], token: str, agents: Agents
+    candidates: list[Body], token: str, agents: Agents, tls_required: bool = False
 ) -> tuple[Body | None, list[str]]:
     """The best candidate whose agent is Ready, and why the others were passed over.
 
@@ -467,7 +471,7 @@ def _checkpointable(
     ready: list[tuple[bool, Body]] = []
     for pod in candidates:
         name = pod["metadata"]["name"]
-        reply, error = agents.ask_status(pod, token)
+        reply, error = agents.ask_status(pod, token, tls_required)
         if reply is None:
             skipped.append(f"pod {name}: {error}")
         elif reply.state != "Ready":

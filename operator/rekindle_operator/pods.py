@@ -151,10 +151,22 @@ class Agents:
         self._calls: dict[str, CheckpointCall] = {}
         self._lock = threading.Lock()
 
-    def client(self, pod: Body, token: str) -> Agent:
+    def client(self, pod: Body, token: str, tls_required: bool = False) -> Agent:
         """A client of pod's agent: HTTPS verified with its Secret's ca.crt when the pod was
-        started with admin TLS; raises ValueError when that Secret is missing or lacks it."""
+        started with admin TLS; raises ValueError when that Secret is missing or lacks it.
+
+        tls_required (the service's spec.adminTLS is set): a pod started without TLS
+        (from the template before it) is not sent the token in clear; it is reported
+        unreachable until the rollout replaces it. The spec decides that TLS is due,
+        the pod's own immutable volume only how to reach it.
+        """
         tls = admin_tls.pod_tls(pod)
+        if tls is None and tls_required:
+            raise ValueError(
+                f"pod {pod['metadata']['name']} was started without admin TLS, and "
+                "spec.adminTLS is set: the token is not sent to it in clear (its "
+                "replacement from the current template will have TLS)"
+            )
         if tls is None:
             return self._client_for(agent_url(pod), token)
         if self._secrets is None:
@@ -164,14 +176,16 @@ class Agents:
         ca = admin_tls.ca_bundle(secret, namespace, tls.secret_name)
         return self._client_for(agent_url(pod, https=True), token, AgentTLS(ca, tls.server_name))
 
-    def status(self, pod: Body, token: str) -> StatusReply:
+    def status(self, pod: Body, token: str, tls_required: bool = False) -> StatusReply:
         """GET /v1/status of pod's agent; raises if it does not answer."""
-        return self.client(pod, token).status()
+        return self.client(pod, token, tls_required).status()
 
-    def ask_status(self, pod: Body, token: str) -> tuple[StatusReply | None, str | None]:
+    def ask_status(
+        self, pod: Body, token: str, tls_required: bool = False
+    ) -> tuple[StatusReply | None, str | None]:
         """(reply, None), or (None, why not): for status reports, which never raise."""
         try:
-            return self.status(pod, token), None
+            return self.status(pod, token, tls_required), None
         except Exception as e:
             return None, f"agent status unavailable: {e}"
 
@@ -183,6 +197,7 @@ class Agents:
         path: str,
         timeout: float,
         then: Callable[[], None],
+        tls_required: bool = False,
     ) -> CheckpointCall:
         """POST /v1/checkpoint in a background thread; then() runs when it has answered.
 
@@ -194,7 +209,7 @@ class Agents:
             self._calls[key] = call
         threading.Thread(
             target=_run_checkpoint,
-            args=(lambda: self.client(pod, token), call, timeout, then),
+            args=(lambda: self.client(pod, token, tls_required), call, timeout, then),
             name=f"checkpoint-{call.pod}",
             daemon=True,
         ).start()

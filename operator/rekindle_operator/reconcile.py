@@ -201,7 +201,7 @@ def observe_pods(
         if (pod.get("status") or {}).get("podIP"):
             if token is None:
                 token = read_token(kube, spec.namespace, spec.name)
-            boot = pod_boot(pod, *agents.ask_status(pod, token))
+            boot = pod_boot(pod, *agents.ask_status(pod, token, spec.admin_tls is not None))
         mirror_boot_annotations(kube, pod, boot)
         out.append(boot)
     return tuple(out)

@@ -103,6 +103,22 @@ def test_a_missing_secret_or_ca_is_a_status_reason_not_a_crash(
     assert call.error is not None and says in call.error and call.manifest is None
 
 
+def test_with_admin_tls_in_the_spec_a_plain_pod_never_gets_the_token() -> None:
+    """A pod from before spec.adminTLS (no Secret volume) is not sent the token in clear:
+    the spec says TLS is due; it is reported unreachable until the rollout replaces it."""
+    rec = Recorder()
+    agents = Agents(rec, secrets=FakeKube())
+    reply_, error = agents.ask_status(pod_obj("tiny-old", ip="10.244.0.8"), "tok", True)
+    assert reply_ is None and error is not None and "not sent to it in clear" in error
+    done = threading.Event()
+    call = agents.start_checkpoint(
+        "k", pod_obj("tiny-old"), "tok", "/c/x", 5, done.set, tls_required=True
+    )
+    assert call.finished.wait(60) and done.is_set()
+    assert call.error is not None and "not sent to it in clear" in call.error
+    assert rec.made == []  # no client was made: the token went nowhere
+
+
 def test_a_pod_claiming_tls_without_its_volume_is_an_error() -> None:
     pod = tls_pod("tiny-tls")
     pod["spec"]["volumes"] = []

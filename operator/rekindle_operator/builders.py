@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import base64
 import secrets
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rekindle_contract import restore_pointer
@@ -256,11 +256,12 @@ def build_network_policy(
 ) -> Obj:
     """Ingress to the pods: the OpenAI port from anywhere, the agent's admin port only
     from the operator's pods (its bearer token is the other half of that protection).
+    With spec.egress, egress too: cluster DNS and spec.egress.cidrs only.
 
     Kubelet probes come from the node; NetworkPolicy implementations let a
     node reach its own pods, so /readyz and /healthz keep working.
     """
-    return {
+    policy: Obj = {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
         "metadata": _meta(spec, network_policy_name(spec.name), owner, "network-policy"),
@@ -283,6 +284,31 @@ def build_network_policy(
             ],
         },
     }
+    if spec.egress_cidrs is not None:
+        policy["spec"]["policyTypes"].append("Egress")
+        policy["spec"]["egress"] = egress_rules(spec.egress_cidrs)
+    return policy
+
+
+def egress_rules(cidrs: Sequence[str]) -> list[Obj]:
+    """Cluster DNS (kube-dns in kube-system, port 53), then the allowed ranges (none: DNS
+    only). vLLM reaches nothing else: not the cloud's metadata endpoint, not other
+    services, not a media URL outside the ranges."""
+    dns = {
+        "to": [
+            {
+                "namespaceSelector": {
+                    "matchLabels": {"kubernetes.io/metadata.name": "kube-system"}
+                },
+                "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}},
+            }
+        ],
+        "ports": [{"port": 53, "protocol": "UDP"}, {"port": 53, "protocol": "TCP"}],
+    }
+    rules = [dns]
+    if cidrs:
+        rules.append({"to": [{"ipBlock": {"cidr": c}} for c in cidrs]})
+    return rules
 
 
 def storage_subpath(namespace: str, isvc: str) -> str:

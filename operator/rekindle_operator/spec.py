@@ -7,6 +7,7 @@ lets unit tests build specs without a cluster.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -147,6 +148,9 @@ class IsvcSpec:
     # The user's Secret (name, key) holding the API key clients must send on the
     # serve port; None: no key. The operator mounts it, never reads it.
     api_key_secret: tuple[str, str] | None = None
+    # spec.egress.cidrs: set, the pods may reach only cluster DNS and these
+    # address ranges (the service's NetworkPolicy gains Egress); None: no limit.
+    egress_cidrs: tuple[str, ...] | None = None
     # TLS on the agents' admin port; None: plain HTTP. Like the API key, left out
     # of the spec fingerprint (spec_fingerprint.py): the certificate is read by
     # the agent, in front of vLLM, and never reaches vLLM's process, so a
@@ -267,9 +271,28 @@ def parse_spec(
         admin_tls=(
             _admin_tls(name, namespace, admin_tls) if spec.get("adminTLS") is not None else None
         ),
+        egress_cidrs=_egress(spec.get("egress")),
     )
     validate(out)
     return out
+
+
+def _egress(value: object) -> tuple[str, ...] | None:
+    """spec.egress.cidrs as normalized networks; None when spec.egress is unset."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or not isinstance(value.get("cidrs", []), list):
+        raise SpecError("spec.egress must be an object with a list cidrs")
+    out = []
+    for cidr in value.get("cidrs", []):
+        try:
+            out.append(str(ipaddress.ip_network(str(cidr), strict=True)))
+        except ValueError as e:
+            raise SpecError(
+                f"spec.egress.cidrs: {cidr!r} is not a network in CIDR notation ({e}): "
+                "write it as 10.0.0.0/8 or 2001:db8::/32, with no host bits set"
+            ) from None
+    return tuple(out)
 
 
 def _admin_tls(name: str, namespace: str, tls: Mapping[str, Any]) -> AdminTLS:

@@ -166,6 +166,12 @@ def test_builders_pass_server_side_validation(namespace: str) -> None:
     )
     tls_shm = effective_shm_bytes(tls_spec, shm_need(tls_spec))
     objs.append(b.build_deployment(tls_spec, tls_shm, spec_fingerprint(tls_spec), owner))
+    # With spec.egress: the NetworkPolicy's Egress rules (DNS, IPv4 and IPv6 ranges).
+    egress = parse_spec(
+        "tiny", namespace, {**owner["spec"], "egress": {"cidrs": ["10.20.0.0/16", "fd00::/8"]}}
+    )
+    objs.append(b.build_network_policy(egress, "rekindle-system", {"app": "op"}, owner))
+    objs.append(b.build_metrics_secret(spec, owner))
     for obj in objs:
         r = apply(obj, namespace, "--dry-run=server")
         assert r.returncode == 0, f"{obj['kind']}: {r.stderr}"

@@ -329,6 +329,35 @@ def test_pods_see_only_their_own_checkpoint_directory_and_no_api_token() -> None
     assert b.checkpoint_path("c1", "0123456789") == f"{CHECKPOINT_MOUNT}/c1-01234567"
 
 
+def test_egress_limits_the_pods_to_dns_and_the_given_ranges() -> None:
+    np = b.build_network_policy(
+        tiny(egress={"cidrs": ["10.20.0.0/16", "2001:db8::/32"]}), "rk", {"app": "op"}
+    )
+    spec = np["spec"]
+    assert spec["policyTypes"] == ["Ingress", "Egress"]
+    dns, ranges = spec["egress"]
+    assert dns["to"] == [
+        {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+            "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}},
+        }
+    ]
+    assert dns["ports"] == [{"port": 53, "protocol": "UDP"}, {"port": 53, "protocol": "TCP"}]
+    assert ranges == {
+        "to": [{"ipBlock": {"cidr": "10.20.0.0/16"}}, {"ipBlock": {"cidr": "2001:db8::/32"}}]
+    }
+    # No ranges: DNS only. No spec.egress: no Egress at all.
+    only_dns = b.build_network_policy(tiny(egress={"cidrs": []}), "rk", {"app": "op"})
+    assert only_dns["spec"]["egress"] == [dns]
+    assert "egress" not in b.build_network_policy(tiny(), "rk", {"app": "op"})["spec"]
+
+
+@pytest.mark.parametrize("cidr", ["10.0.0.1/8", "10.0.0.0/33", "example.com", ""])
+def test_an_egress_range_that_is_not_a_network_is_refused(cidr: str) -> None:
+    with pytest.raises(SpecError, match=r"spec\.egress\.cidrs: .* is not a network in CIDR"):
+        tiny(egress={"cidrs": [cidr]})
+
+
 def test_network_policy_admin_port_only_from_the_operator() -> None:
     np = b.build_network_policy(tiny(), "rekindle-system", {"app": "op"}, owner=OWNER)
     assert np["kind"] == "NetworkPolicy" and np["metadata"]["namespace"] == "ns"

@@ -463,6 +463,11 @@ def test_a_tampered_restore_pointer_boots_normally_and_says_why(
     ck = in_use(op_namespace)
     scale(op_namespace, 0)
     wait_until("no pods left", lambda: not pods_of(NAME, op_namespace), 180)
+    # The status says so too, or an old pod's report would pass for the new one's below.
+    wait_status(
+        "rkis", NAME, op_namespace, "no pods in status",
+        lambda o: not (o.get("status") or {}).get("pods"), 60,
+    )  # fmt: skip
     # Stopped, the operator cannot rewrite the pointer before the new pod reads it.
     operator.kill(signal.SIGKILL)
     try:
@@ -484,10 +489,12 @@ def test_a_tampered_restore_pointer_boots_normally_and_says_why(
             return any("running" in (c.get("state") or {}) for c in statuses)
 
         wait_until("the new pod's container started", started, 180)
+        (new_pod,) = [p["metadata"]["name"] for p in pods_of(NAME, op_namespace)]
     finally:
         operator.start()
     obj = ready_with(op_namespace, "booted")
     pod = obj["status"]["pods"][0]
+    assert pod["name"] == new_pod, pod
     assert pod["reason"].startswith("pointer_refused: "), pod
     assert "does not match" in pod["reason"], pod
     assert completions(served["url"]) == before

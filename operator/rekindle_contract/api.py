@@ -73,6 +73,7 @@ CHECKPOINT_FAILURE_REASONS = (
     "drain_timeout",  # in-flight requests outlived --drain-timeout; nothing was touched
     "io_uring",  # the tree holds an io_uring CRIU cannot dump
     "release_failed",  # the weights could not be dumped or released
+    "insufficient_space",  # refused before draining: the estimate does not fit the volume
     "volume_full",  # ENOSPC / EDQUOT on the checkpoint volume
     "read_only",  # EROFS on the checkpoint volume
     "io_error",  # any other OSError writing the checkpoint

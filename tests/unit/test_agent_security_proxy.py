@@ -17,9 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 from aiohttp import ClientSession, ClientTimeout, web
 from aiohttp.test_utils import TestServer
 from rekindle_agent.agent import Agent
+from rekindle_agent.checkpointing import space
 from rekindle_agent.config import AgentConfig
 from rekindle_agent.serving.server import Proxy, admin_app, proxy_app
 from rekindle_contract import api
@@ -275,3 +277,29 @@ async def _bodies_share_one_buffer(tmp_path: Path) -> None:
 
 def test_request_bodies_share_one_bounded_buffer(tmp_path: Path) -> None:
     asyncio.run(_bodies_share_one_buffer(tmp_path))
+
+
+async def _no_room(tmp_path: Path) -> None:
+    async with (
+        serving(tmp_path, proxy_timeout=WAIT) as sv,
+        ClientSession(timeout=ClientTimeout(total=WAIT)) as s,
+    ):
+        tok = {"Authorization": "Bearer " + TOKEN.decode()}
+        body = {"dir": str(tmp_path / "ckpts/c")}
+        async with s.post(sv.admin + api.PATH_CHECKPOINT.lstrip("/"), json=body, headers=tok) as r:
+            reply = await r.json()
+            assert r.status == 507 and reply["reason"] == "insufficient_space", reply
+            assert "GiB needed" in reply["error"] and "GiB free" in reply["error"], reply
+        doc = sv.agent.status_doc()
+        assert doc["state"] == "Ready"  # never drained: serving untouched
+        assert doc["last_checkpoint"] is not None
+        assert doc["last_checkpoint"]["reason"] == "insufficient_space"
+        assert not (tmp_path / "ckpts/c").exists()
+        assert (await call(s, "POST", sv.url + "v1/completions", json={}, headers=KEY))[0] == 200
+
+
+def test_a_checkpoint_that_would_not_fit_is_refused_before_draining(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(space, "free_bytes", lambda target: 1 << 20)  # 1 MiB free
+    asyncio.run(_no_room(tmp_path))

@@ -36,12 +36,12 @@ from rekindle_contract.manifest import (
 )
 from rekindle_store import manifest_io, signing
 
-from rekindle_agent.checkpointing import checkpoint, criu, fingerprint, gpu_preflight
+from rekindle_agent.checkpointing import checkpoint, criu, fingerprint, gpu_preflight, space
 from rekindle_agent.checkpointing.criu_backend import BackendError, CriuBackend, InPod, NodeAgent
 from rekindle_agent.config import AgentConfig
 from rekindle_agent.mapped_files import immutable, mmap_policy, mounts
 from rekindle_agent.metrics import Metrics
-from rekindle_agent.process_tree import reaper, shm_files
+from rekindle_agent.process_tree import proctree, reaper, shm_files
 from rekindle_agent.restoring import restore
 from rekindle_agent.restoring.early import EarlyStart
 from rekindle_agent.state import Status
@@ -450,6 +450,24 @@ class Agent:
             log.warning("vLLM does not serve after the failed checkpoint: %s", e)
             return False
         return True
+
+    def space_problem(self, target: Path) -> str | None:
+        """Why a checkpoint into target would not fit (checked before draining), or None.
+
+        Through the node agent the dump goes to its cache, which keeps a budget
+        of its own and evicts within it: nothing to check here.
+        """
+        if not self.backend.privileged:
+            return None
+        root = self.vllm.root_pid
+        pids = proctree.tree(root) if root is not None and proctree.alive(root) else []
+        shm = 0
+        for name in shm_files.tree_shm_files(pids):
+            with contextlib.suppress(OSError):
+                shm += os.stat(os.path.join(shm_files.SHM, name)).st_blocks * 512
+        on_device = space.weight_file_bytes(self.cfg.model) if self.cfg.device == "cuda" else 0
+        needed = space.needed_bytes(space.anonymous_bytes(pids), shm, on_device)
+        return space.problem(target, needed, space.free_bytes(target))
 
     def run_checkpoint(self, ckpt: Path) -> Manifest:
         """Called with the proxy drained (state Checkpointing). Dump, then prove by restoring.

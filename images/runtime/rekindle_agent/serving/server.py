@@ -431,6 +431,17 @@ async def post_checkpoint(request: web.Request) -> web.Response:
             status=409,
             headers={"Retry-After": RETRY_AFTER_S},
         )
+    no_room = await asyncio.to_thread(agent.space_problem, target)
+    if no_room is not None:  # before draining: serving untouched
+        agent.flow_lock.release()
+        agent.status.last_checkpoint = {
+            "dir": str(target),
+            "ok": False,
+            "reason": "insufficient_space",
+            "error": no_room,
+        }
+        agent.metrics.checkpoints.labels("failed").inc()
+        return web.json_response({"error": no_room, "reason": "insufficient_space"}, status=507)
     try:
         agent.guard(f"the checkpoint to {target}", target)
         agent.set_state("Draining", f"checkpoint to {target}")

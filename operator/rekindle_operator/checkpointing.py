@@ -103,6 +103,9 @@ def _start(kube: Kube, body: Body, emit: Emit, agents: Agents) -> Status:
             "set spec.inferenceService to an existing one (kubectl get rkis)",
         )
     _adopt(kube, body, isvc)
+    ahead = checkpoint_ahead(kube.list(CKPT_KIND, ns), body)
+    if ahead:
+        return _wait_for_turn(kube, body, emit, isvc_name, ahead)
     isvc_spec = spec_of(isvc)
     fingerprint = spec_fingerprint(isvc_spec)
     # Only pods the service's Deployment made may be checkpointed (and get its token).
@@ -481,6 +484,56 @@ def _checkpointable(
     if not ready:
         return None, skipped
     return min(ready, key=lambda r: r[0])[1], skipped
+
+
+def checkpoint_ahead(checkpoints: list[dict[str, Any]], body: Body) -> str:
+    """The Checkpoint of the same InferenceService this one waits for, or "".
+
+    One at a time per service: each takes a replica out of rotation, and two at
+    once could take every replica. A Running one goes first, then Pending ones
+    in order of creation (name breaks ties), so two Pending ones stepped at the
+    same moment never both start.
+    """
+    meta = body["metadata"]
+    isvc = (body.get("spec") or {}).get("inferenceService")
+    mine = (meta.get("creationTimestamp") or "", meta["name"])
+    for c in sorted(
+        checkpoints,
+        key=lambda c: (c["metadata"].get("creationTimestamp") or "", c["metadata"]["name"]),
+    ):
+        m, st = c["metadata"], c.get("status") or {}
+        if m["name"] == meta["name"] or (c.get("spec") or {}).get("inferenceService") != isvc:
+            continue
+        if m.get("deletionTimestamp") or st.get("phase") in FINISHED:
+            continue
+        ahead = st.get("phase") == CKPT_RUNNING
+        older = (m.get("creationTimestamp") or "", m["name"]) < mine
+        if ahead or older:
+            return str(m["name"])
+    return ""
+
+
+def _wait_for_turn(kube: Kube, body: Body, emit: Emit, isvc_name: str, ahead: str) -> Status:
+    meta, status = body["metadata"], body.get("status") or {}
+    timeout = _timeout(body)
+    age = (parse_time(now_iso()) - parse_time(meta["creationTimestamp"])).total_seconds()
+    if age > timeout:
+        return _fail(
+            kube,
+            body,
+            emit,
+            "CheckpointBusy",
+            f"Checkpoint {ahead} of {isvc_name} was still in progress after {timeout}s; "
+            "retry once it is finished",
+        )
+    why = (
+        f"waiting for Checkpoint {ahead} of {isvc_name} to finish: one checkpoint per "
+        "InferenceService at a time (each takes a replica out of rotation)"
+    )
+    waiting = {"phase": CKPT_PENDING, "reason": "WaitingForCheckpoint", "message": why}
+    if status.get("message") != why:
+        _set_status(kube, body, waiting)
+    return {**status, **waiting}
 
 
 def _wait_for_pod(kube: Kube, body: Body, emit: Emit, isvc_name: str, skipped: list[str]) -> Status:

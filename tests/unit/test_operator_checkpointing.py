@@ -865,3 +865,56 @@ def test_an_object_with_our_name_that_is_not_ours_is_never_taken_over(kind: str,
     again = reconcile(kube, {**isvc, "status": st}, lambda *e: events.append(e), agents)
     assert again["message"] == st["message"]
     assert [r for _, r, _ in events] == ["ObjectNotOurs"]  # once, not every reconcile
+
+
+def test_one_checkpoint_per_service_at_a_time() -> None:
+    """Two Checkpoints of one service: the younger waits (Pending, WaitingForCheckpoint)
+    while the older runs, and starts once it is finished; the agent never has two."""
+    kube, events = world()
+    release = threading.Event()
+    agent = FakeAgent(manifest=MANIFEST, release=release)
+    agents = Agents(agent)
+    created = now_iso()  # both just made (a queue past its timeout fails instead)
+    first = new_ckpt(kube, "c1")
+    first["metadata"]["creationTimestamp"] = created
+    kube.put(first)
+    second = new_ckpt(kube, "c2")
+    second["metadata"].update(uid="9876543210", creationTimestamp=created)
+    kube.put(second)
+
+    def step(name: str) -> dict[str, Any]:
+        body = kube.get("Checkpoint", NS, name)
+        return cp.step(kube, body, lambda *e: events.append(e), agents)  # type: ignore[arg-type]
+
+    assert step("c2")["reason"] == "WaitingForCheckpoint"  # c1 is older: it goes first
+    assert step("c1")["phase"] == "Running"
+    assert agent.in_checkpoint.wait(WAIT)
+    waiting = step("c2")
+    assert waiting["phase"] == "Pending" and "Checkpoint c1 of tiny" in waiting["message"]
+    assert len(agent.checkpoints) == 1
+    release.set()
+    assert drive(kube, agents, events, "c1")["phase"] == "Ready"
+    assert drive(kube, agents, events, "c2")["phase"] == "Ready"
+    assert agent.checkpoints == [
+        b.checkpoint_path("c1", "0123456789"),
+        b.checkpoint_path("c2", "9876543210"),
+    ]
+
+
+def test_a_checkpoint_of_another_service_does_not_wait() -> None:
+    ahead = cp.checkpoint_ahead(
+        [
+            {
+                "metadata": {"name": "a"},
+                "spec": {"inferenceService": "other"},
+                "status": {"phase": "Running"},
+            },
+            {
+                "metadata": {"name": "b"},
+                "spec": {"inferenceService": "tiny"},
+                "status": {"phase": "Ready"},
+            },
+        ],
+        {"metadata": {"name": "z"}, "spec": {"inferenceService": "tiny"}},
+    )
+    assert ahead == ""

@@ -642,8 +642,12 @@ def build_deployment(
     fingerprint: str,
     owner: Mapping[str, Any] | None = None,
     restore_node: str = "",
+    surge: int = 0,
 ) -> Obj:
     """The vLLM pods: the agent as entrypoint, /dev/shm sized, checkpoint storage mounted.
+
+    surge: replicas beyond spec.replicas (one while an automatic checkpoint runs,
+    auto_checkpoint.surge), never from zero.
 
     restore_node: the node holding the hostPath checkpoint new pods restore from;
     they prefer it (checkpoint_storage.prefer_node). The template changes when it
@@ -657,7 +661,7 @@ def build_deployment(
         "kind": "Deployment",
         "metadata": _meta(spec, deployment_name(spec.name), owner, "inference"),
         "spec": {
-            "replicas": spec.replicas,
+            "replicas": spec.replicas + surge if spec.replicas else 0,
             "selector": {"matchLabels": selector_labels(spec.name)},
             # A restored pod is ready in seconds; surge one at a time so a
             # rollout never runs two cold boots' worth of extra memory.

@@ -28,7 +28,6 @@ from rekindle_contract.pod import CHECKPOINT_MOUNT
 from rekindle_operator import builders as b
 from rekindle_operator.constants import (
     ANN_BOOT_PATH,
-    ANN_FINGERPRINT,
     ANN_RESTORED_FROM,
     CKPT_FAILED,
     CKPT_KIND,
@@ -48,7 +47,7 @@ from rekindle_operator.reconcile import (
     update_pointer,
     with_mapped,
 )
-from rekindle_operator.selection import ready_pods
+from rekindle_operator.selection import current_spec_pods, ready_pods
 from rekindle_operator.settings import Settings, from_env, image_allowed
 from rekindle_operator.spec_fingerprint import spec_fingerprint
 from rekindle_operator.status import clip, now_iso, parse_time
@@ -109,7 +108,16 @@ def _start(kube: Kube, body: Body, emit: Emit, agents: Agents) -> Status:
     isvc_spec = spec_of(isvc)
     fingerprint = spec_fingerprint(isvc_spec)
     # Only pods the service's Deployment made may be checkpointed (and get its token).
-    ready = ready_pods(service_pods(kube, ns, isvc_name), spec.get("pod"))
+    ours = service_pods(kube, ns, isvc_name)
+    ready = ready_pods(ours, spec.get("pod"))
+    if spec.get("keepServing") and len(ready_pods(ours)) < 2:
+        return _wait_for_pod(
+            kube,
+            body,
+            emit,
+            isvc_name,
+            ["keepServing: a second ready replica first, so one keeps serving"],
+        )
     candidates, skipped = current_spec_pods(ready, fingerprint)
     token = read_token(kube, ns, isvc_name) if candidates else ""
     tls = isvc_spec.admin_tls is not None
@@ -416,25 +424,6 @@ def mark_mapped(kube: Kube, namespace: str, pod: str, path: str) -> None:
         kube.merge_patch(
             "Pod", namespace, pod, {"metadata": {"annotations": {ANN_RESTORED_FROM: value}}}
         )
-
-
-def current_spec_pods(pods: list[Body], fingerprint: str) -> tuple[list[Body], list[str]]:
-    """The pods started from the current spec, and why the others are passed over.
-
-    A Checkpoint records the current spec's fingerprint, so it must dump a pod
-    that runs that spec: during a rollout, older pods run an older one.
-    """
-    ok, skipped = [], []
-    for pod in pods:
-        theirs = ((pod.get("metadata") or {}).get("annotations") or {}).get(ANN_FINGERPRINT)
-        if theirs == fingerprint:
-            ok.append(pod)
-        else:
-            skipped.append(
-                f"pod {pod['metadata']['name']}: runs an older spec (fingerprint {theirs}, "
-                f"current {fingerprint})"
-            )
-    return ok, skipped
 
 
 def _wait_until_agent_done(kube: Kube, body: Body, agents: Agents) -> None:

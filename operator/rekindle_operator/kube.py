@@ -188,6 +188,16 @@ class Kube:
                 return False
             raise
 
+    def delete(self, kind: str, namespace: str, name: str) -> bool:
+        """Delete the object; False if it was already gone."""
+        try:
+            self.request("DELETE", path(kind, namespace, name))
+            return True
+        except KubeError as e:
+            if e.status == 404:
+                return False
+            raise
+
     def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         """Server-side apply as the operator: idempotent, and owns exactly the fields it sets."""
         meta = obj["metadata"]

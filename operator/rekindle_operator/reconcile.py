@@ -15,7 +15,7 @@ from rekindle_contract import restore_pointer
 from rekindle_contract.api import SERVE_PORT
 from rekindle_contract.pod import SIGNING_KEY_KEY
 
-from rekindle_operator import admin_tls
+from rekindle_operator import admin_tls, auto_checkpoint
 from rekindle_operator import builders as b
 from rekindle_operator.adoption import foreign_object
 from rekindle_operator.checkpoint_storage import node_to_prefer, restore_node, rwo_spread_warning
@@ -24,10 +24,16 @@ from rekindle_operator.constants import (
     ANN_BOOT_PATH,
     ANN_BOOT_REASON,
     ANN_RESTORED_FROM,
+    CKPT_KIND,
 )
 from rekindle_operator.kube import Kube
 from rekindle_operator.pods import Agents, read_token, service_pods
-from rekindle_operator.selection import newest_usable, stale_changes
+from rekindle_operator.selection import (
+    current_spec_pods,
+    newest_usable,
+    ready_pods,
+    stale_changes,
+)
 from rekindle_operator.settings import Settings, from_env, image_allowed
 from rekindle_operator.shm_sizing import effective_shm_bytes, shm_need, shm_shortfall
 from rekindle_operator.spec import IsvcSpec, SpecError, parse_spec
@@ -125,6 +131,7 @@ def ensure_objects(
     settings: Settings | None = None,
     deployment: bool = True,
     node: str = "",
+    surge: int = 0,
 ) -> None:
     """Everything else the InferenceService owns; the Deployment only when deployment is True.
 
@@ -144,9 +151,45 @@ def ensure_objects(
     if deployment:
         kube.apply(
             b.build_deployment(
-                spec, shm_bytes, spec_fingerprint(spec), owner=body, restore_node=node
+                spec, shm_bytes, spec_fingerprint(spec), owner=body, restore_node=node, surge=surge
             )
         )
+
+
+def keep_checkpoints_current(
+    kube: Kube, spec: IsvcSpec, checkpoints: list[dict[str, Any]], emit: Emit
+) -> None:
+    """spec.coldStart.checkpoint: retire automatic checkpoints past `keep`, and create the
+    current spec's once one of its replicas is Ready (auto_checkpoint says when)."""
+    if not spec.auto_checkpoint or spec.restore_policy == "Never":
+        return
+    fingerprint = spec_fingerprint(spec)
+    usable = newest_usable(checkpoints, spec.name, fingerprint)
+    in_use = str(usable["metadata"]["name"]) if usable else None
+    for name in auto_checkpoint.to_delete(
+        checkpoints, spec.name, fingerprint, spec.auto_keep, in_use
+    ):
+        if kube.delete(CKPT_KIND, spec.namespace, name):
+            emit(
+                "Normal",
+                "CheckpointRetired",
+                f"deleted automatic Checkpoint {name} (spec.coldStart.checkpoint.keep "
+                f"{spec.auto_keep}); its data goes once no replica maps it",
+            )
+    if usable is not None or auto_checkpoint.unfinished(checkpoints, spec.name):
+        return  # the cheap checks first: only then look at the pods
+    ready, _ = current_spec_pods(
+        ready_pods(service_pods(kube, spec.namespace, spec.name)), fingerprint
+    )
+    if auto_checkpoint.due(spec.name, fingerprint, checkpoints, usable, len(ready)):
+        ckpt = auto_checkpoint.build(spec.name, spec.namespace, fingerprint)
+        if kube.create_if_absent(ckpt):
+            emit(
+                "Normal",
+                "AutoCheckpoint",
+                f"checkpointing the current spec ({fingerprint}) as Checkpoint "
+                f"{ckpt['metadata']['name']}, with one replica more while it runs",
+            )
 
 
 def hostpath_restore_node(
@@ -282,7 +325,9 @@ def reconcile(
             settings,
             deployment=tls_error is None,
             node=hostpath_restore_node(kube, spec, checkpoints, in_use),
+            surge=auto_checkpoint.surge(checkpoints, spec.name),
         )
+        keep_checkpoints_current(kube, spec, checkpoints, emit)
     deployment = kube.get("Deployment", spec.namespace, b.deployment_name(spec.name))
     nodes: set[str] = set()
     pods = observe_pods(kube, spec, agents, nodes) if deployment else ()

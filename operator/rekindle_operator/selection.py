@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from rekindle_operator.constants import CKPT_READY
+from rekindle_operator.constants import ANN_FINGERPRINT, CKPT_READY
 
 Body = Mapping[str, Any]
 
@@ -84,3 +84,22 @@ def pod_ready(p: Body) -> bool:
         if cond.get("type") == "Ready":
             return bool(cond.get("status") == "True")
     return False
+
+
+def current_spec_pods(pods: list[Body], fingerprint: str) -> tuple[list[Body], list[str]]:
+    """The pods started from the current spec, and why the others are passed over.
+
+    A Checkpoint records the current spec's fingerprint, so it must dump a pod
+    that runs that spec: during a rollout, older pods run an older one.
+    """
+    ok, skipped = [], []
+    for pod in pods:
+        theirs = ((pod.get("metadata") or {}).get("annotations") or {}).get(ANN_FINGERPRINT)
+        if theirs == fingerprint:
+            ok.append(pod)
+        else:
+            skipped.append(
+                f"pod {pod['metadata']['name']}: runs an older spec (fingerprint {theirs}, "
+                f"current {fingerprint})"
+            )
+    return ok, skipped

@@ -144,6 +144,10 @@ class IsvcSpec:
     # spec.coldStart.keepResident: bytes of the newest checkpoint each pod keeps
     # locked in its node's page cache (0: off).
     keep_resident_bytes: int = 0
+    # spec.coldStart.checkpoint: the operator checkpoints each new spec by itself, and
+    # keeps that many of its own checkpoints.
+    auto_checkpoint: bool = False
+    auto_keep: int = 2
     restart_token: str = ""  # bumped by `kubectl rekindle restore`
     # The user's Secret (name, key) holding the API key clients must send on the
     # serve port; None: no key. The operator mounts it, never reads it.
@@ -262,6 +266,8 @@ def parse_spec(
         restore_policy=str(cold.get("restorePolicy", "IfAvailable")),
         prefetch=bool(cold.get("prefetch", True)),
         keep_resident_bytes=_keep_resident(_get(cold, "keepResident")),
+        auto_checkpoint=bool(_get(cold, "checkpoint").get("auto", False)),
+        auto_keep=int(_get(cold, "checkpoint").get("keep", 2)),
         restart_token=(annotations or {}).get(ANN_RESTART, ""),
         api_key_secret=(
             (str(api_key["name"]), str(api_key.get("key") or "api-key"))
@@ -441,6 +447,10 @@ def validate(s: IsvcSpec) -> None:
         )
     if s.storage.type == "hostPath" and not s.storage.host_path.startswith("/"):
         raise SpecError("spec.coldStart.storage.hostPath.path must be an absolute path")
+    if not 1 <= s.auto_keep <= 20:
+        raise SpecError(
+            f"spec.coldStart.checkpoint.keep is {s.auto_keep}: keep between 1 and 20 checkpoints"
+        )
     if s.restore_policy not in ("IfAvailable", "Never"):
         raise SpecError(
             f"spec.coldStart.restorePolicy is {s.restore_policy!r}: use IfAvailable or Never"

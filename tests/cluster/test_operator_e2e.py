@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -44,7 +45,7 @@ from rekindle_operator.quantity import to_bytes
 from rekindle_operator.shm_sizing import shm_need
 from rekindle_operator.spec import parse_spec
 
-from tests.cluster.cluster_tools import kubectl, kubectl_json, require_tool, wait_until
+from tests.cluster.cluster_tools import ENV, kubectl, kubectl_json, require_tool, wait_until
 from tests.cluster.operator_fixtures import (
     OperatorProcess,
     accepts,
@@ -714,6 +715,103 @@ def test_deleting_a_checkpoint_a_replica_maps_waits_for_the_replica(
     scale(op_namespace, 0)
     wait_until("the Checkpoint gone", lambda: get("rkcp", "third", op_namespace) is None, 240)
     wait_until(f"{data} removed", lambda: not data.exists(), 180)
+
+
+class ServingWatch:
+    """Counts the Service's ready endpoints every 0.25 s in a thread: the fewest seen."""
+
+    def __init__(self, ns: str) -> None:
+        from rekindle_operator.kube import Kube, load_configuration
+
+        self.kube = Kube(load_configuration(ENV["KUBECONFIG"]))
+        self.url = f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices"
+        self.fewest: int | None = None
+        self.samples = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def ready(self) -> int:
+        out = self.kube.request(
+            "GET", self.url, query={"labelSelector": f"kubernetes.io/service-name={NAME}"}
+        )
+        return sum(
+            1
+            for s in out.get("items", [])
+            for e in s.get("endpoints") or []
+            if (e.get("conditions") or {}).get("ready")
+        )
+
+    def _run(self) -> None:
+        while not self.stop.wait(0.25):
+            n = self.ready()
+            self.samples += 1
+            self.fewest = n if self.fewest is None else min(self.fewest, n)
+
+    def __enter__(self) -> ServingWatch:
+        assert self.ready() >= 1, "no ready endpoint before the spec change"
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(10)
+
+
+def test_a_changed_spec_is_checkpointed_by_itself_with_a_replica_always_serving(
+    served: dict[str, Any], second: dict[str, Any], op_namespace: str, host_dir: Path
+) -> None:
+    """spec.coldStart.checkpoint.auto: a spec change (one env var) rolls the service, the
+    new spec's replica boots, and the operator checkpoints it by itself with one replica
+    more meanwhile; the Service has a ready endpoint throughout. keep: 1 retires the
+    older automatic checkpoint with its data ("second", made by hand, relabelled as an
+    automatic one of the old spec for this)."""
+    one_replica(op_namespace)
+    old = get("rkcp", "second", op_namespace)
+    assert old is not None and old["status"]["phase"] == "Ready", old
+    old_data = data_dir(host_dir, old)
+    kubectl("label", "rkcp", "second", "-n", op_namespace,
+            "rekindle.dev/auto-checkpoint=true",
+            f"rekindle.dev/spec-fingerprint={old['status']['fingerprint']}")  # fmt: skip
+    spec = isvc(op_namespace)["spec"]
+    patch = {
+        "spec": {
+            "coldStart": {"checkpoint": {"auto": True, "keep": 1}},
+            "env": [*(spec.get("env") or []), {"name": "REKINDLE_TEST_SPEC", "value": "2"}],
+        }
+    }
+    with ServingWatch(op_namespace) as watch:
+        kubectl("patch", "rkis", NAME, "-n", op_namespace, "--type=merge", "-p", json.dumps(patch))
+        before = old["status"]["fingerprint"]
+        fp = wait_status(
+            "rkis", NAME, op_namespace, "the new spec's fingerprint",
+            lambda o: (o.get("status") or {}).get("fingerprint") not in (None, before), 60,
+        )["status"]["fingerprint"]  # fmt: skip
+        auto = f"{NAME}-auto-{fp[:10]}"
+        done = wait_status(
+            "rkcp", auto, op_namespace, "the automatic checkpoint Ready",
+            lambda o: (o.get("status") or {}).get("phase") in ("Ready", "Failed"), 900,
+        )  # fmt: skip
+        assert done["status"]["phase"] == "Ready", done["status"]
+        wait_status(
+            "rkis", NAME, op_namespace, "new replicas pointed at it, surge over",
+            lambda o: (o.get("status") or {}).get("checkpoint") == auto
+            and (get("deploy", NAME, op_namespace) or {}).get("spec", {}).get("replicas") == 1,
+            120,
+        )  # fmt: skip
+    assert watch.samples > 20 and watch.fewest is not None and watch.fewest >= 1, (
+        watch.samples,
+        watch.fewest,
+    )
+    # keep: 1: the older automatic checkpoint is retired, its data removed.
+    wait_until(
+        "Checkpoint second retired", lambda: get("rkcp", "second", op_namespace) is None, 300
+    )
+    wait_until(f"{old_data} removed", lambda: not old_data.exists(), 300)
+    assert get("rkcp", "first", op_namespace) is not None  # made by hand: never retired
+    events = kubectl_json(
+        "get", "events", "-n", op_namespace, "--field-selector", f"involvedObject.name={NAME}"
+    )["items"]
+    assert {"AutoCheckpoint", "CheckpointRetired"} <= {e["reason"] for e in events}
 
 
 def test_delete_cleans_up_owned_objects_and_checkpoint_data(

@@ -20,8 +20,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import pytest
+from rekindle_operator import auto_checkpoint, release
 from rekindle_operator import checkpointing as cp
-from rekindle_operator import release
 from rekindle_operator.kube import _RESOURCES, KubeError
 from rekindle_operator.pods import Agents
 from rekindle_operator.reconcile import reconcile
@@ -166,6 +166,20 @@ def operator_calls() -> tuple[set[Grant], set[Grant]]:
         reconcile(kube, body, lambda *e: None, Agents(FakeAgent()), settings)
         assert FakeKube.get(kube, "Deployment", NS, "fresh") is not None
 
+    def automatic_checkpoints(kube: RecordingKube, events: Any) -> None:
+        """spec.coldStart.checkpoint: one created for the current spec, one retired."""
+        body = read(kube, "InferenceService", "tiny")
+        body["spec"]["coldStart"] = {"checkpoint": {"auto": True, "keep": 1}}
+        kube.put(body)
+        for i in (1, 2):  # two Ready automatic ones of an older spec: keep 1
+            old = auto_checkpoint.build("tiny", NS, f"{i}" * 16)
+            old["status"] = {"phase": "Ready", "completedAt": f"2026-01-0{i}T00:00:00Z"}
+            kube.put(old)
+        reconcile(kube, body, lambda *e: None, Agents(FakeAgent()), settings)
+        assert FakeKube.get(kube, "Checkpoint", NS, "tiny-auto-1111111111") is None
+        assert any(n.startswith("tiny-auto-") and n != "tiny-auto-2222222222"
+                   for (k, _, n) in kube.objs if k == "Checkpoint")  # fmt: skip
+
     def checkpoint_and_clean_up(kube: RecordingKube, events: Any) -> None:
         new_ckpt(kube)
         drive(kube, Agents(FakeAgent(manifest=MANIFEST)), events)
@@ -194,6 +208,7 @@ def operator_calls() -> tuple[set[Grant], set[Grant]]:
 
     for flow in (
         first_reconcile,
+        automatic_checkpoints,
         reconcile_each_storage,
         checkpoint_and_clean_up,
         clean_up_from_the_operators_namespace,

@@ -103,6 +103,10 @@ repository@digest when a digest is set (it wins over the tag), else repository:t
 - apiGroups: ["rekindle.dev"]
   resources: ["inferenceservices", "checkpoints"]
   verbs: ["get", "list", "watch", "patch"]
+# Automatic checkpoints (spec.coldStart.checkpoint): created, and retired past `keep`.
+- apiGroups: ["rekindle.dev"]
+  resources: ["checkpoints"]
+  verbs: ["create", "delete"]
 - apiGroups: ["rekindle.dev"]
   resources: ["inferenceservices/status", "checkpoints/status"]
   verbs: ["patch"]

@@ -55,7 +55,7 @@ def publish(
     tmp = f".{name}.partial-{secrets.token_hex(4)}"
     os.mkdir(tmp, _DIR_MODE, dir_fd=parent_fd)
     try:
-        tmp_fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent_fd)
+        tmp_fd = os.open(tmp, verified_copy.OPEN_DIR, dir_fd=parent_fd)
         try:
             files, size = _copy_tree(entry, tmp_fd, owner)
             if owner is not None:
@@ -85,7 +85,7 @@ def _copy_tree(src: Path, dst_fd: int, owner: tuple[int, int] | None) -> tuple[i
         st = child.lstat()
         if stat.S_ISDIR(st.st_mode):
             os.mkdir(child.name, _DIR_MODE, dir_fd=dst_fd)
-            sub = os.open(child.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dst_fd)
+            sub = os.open(child.name, verified_copy.OPEN_DIR, dir_fd=dst_fd)
             try:
                 f, b = _copy_tree(child, sub, owner)
                 if owner is not None:
@@ -100,7 +100,7 @@ def _copy_tree(src: Path, dst_fd: int, owner: tuple[int, int] | None) -> tuple[i
 
 
 def _copy_file(src: Path, dst_fd: int, owner: tuple[int, int] | None) -> int:
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    flags = verified_copy.CREATE_NEW
     fd_in = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         fd_out = os.open(src.name, flags, _FILE_MODE, dir_fd=dst_fd)
@@ -117,7 +117,7 @@ def _copy_file(src: Path, dst_fd: int, owner: tuple[int, int] | None) -> int:
 def _remove_below(parent_fd: int, name: str) -> None:
     """Remove name (a tree this module created) below parent_fd, following no link."""
     try:
-        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent_fd)
+        fd = os.open(name, verified_copy.OPEN_DIR, dir_fd=parent_fd)
     except OSError:
         return
     try:

@@ -33,8 +33,11 @@ from rekindle_store import digests, manifest_io
 
 CHUNK = 8 << 20
 # Opening a FIFO or a device must not block or touch hardware: refuse before reading.
+# How the store opens what it reads and writes: never through a link (a path
+# component replaced by a symlink fails with ELOOP), never kept across exec.
 _OPEN_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-_OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+CREATE_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class CopyError(ValueError):
@@ -58,7 +61,7 @@ class CopyResult:
 def open_dir(path: Path) -> int:
     """A descriptor of the directory path, refusing a symlink as its last component."""
     try:
-        return os.open(path, _OPEN_DIR)
+        return os.open(path, OPEN_DIR)
     except OSError as e:
         raise CopyError(
             "no_checkpoint", f"{path}: {e.strerror or e} (a directory, not a link)"
@@ -72,7 +75,7 @@ def open_below(dir_fd: int, rel: str, where: str) -> int:
     try:
         cur = dir_fd
         for part in parts[:-1]:
-            cur = os.open(part, _OPEN_DIR, dir_fd=cur)
+            cur = os.open(part, OPEN_DIR, dir_fd=cur)
             fds.append(cur)
         fd = os.open(parts[-1], _OPEN_FILE, dir_fd=cur)
     except OSError as e:
@@ -130,9 +133,7 @@ def copy_file(src_dir: int, entry: FileEntry, dst_root: Path, where: str, signed
     dst.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     src = open_below(src_dir, rel, where)
     try:
-        out = os.open(
-            dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
-        )
+        out = os.open(dst, CREATE_NEW, 0o600)
         try:
             copied = _copy_hashed(src, out, hasher.update)
         finally:
@@ -291,7 +292,7 @@ def open_dir_below(root_fd: int, path: str, where: str) -> int:
         for part in [p for p in path.split("/") if p]:
             if part in (".", ".."):
                 raise CopyError("bad_request", f"{where}{path}: '.' and '..' are not allowed")
-            nxt = os.open(part, _OPEN_DIR, dir_fd=cur)
+            nxt = os.open(part, OPEN_DIR, dir_fd=cur)
             os.close(cur)
             cur = nxt
     except OSError as e:
@@ -316,7 +317,7 @@ def take_tree(src_dir: int, dst: Path, where: str) -> list[FileEntry]:
             st = os.stat(name, dir_fd=fd, follow_symlinks=False)
             child = f"{rel}/{name}" if rel else name
             if stat.S_ISDIR(st.st_mode):
-                sub = os.open(name, _OPEN_DIR, dir_fd=fd)
+                sub = os.open(name, OPEN_DIR, dir_fd=fd)
                 try:
                     (dst / child).mkdir(mode=0o700, parents=True, exist_ok=True)
                     walk(sub, child)
@@ -339,9 +340,7 @@ def _take_file(dir_fd: int, name: str, rel: str, dst: Path, where: str) -> FileE
             raise CopyError("bad_request", f"{where}/{rel}: not a regular file")
         os.set_blocking(src, True)
         hashers = digests.RecordHashers()
-        out = os.open(
-            dst / rel, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
-        )
+        out = os.open(dst / rel, CREATE_NEW, 0o600)
         try:
             size = _copy_hashed(src, out, hashers.update)
         finally:

@@ -120,6 +120,13 @@ class CriuBackend:
         raise NotImplementedError
 
 
+def _log_tail(log_file: str) -> str:
+    """The end of a CRIU log that says why it failed ("" if unreadable)."""
+    with contextlib.suppress(OSError):
+        return criu.log_tail(Path(log_file).read_text(errors="replace"))
+    return ""
+
+
 class InPod(CriuBackend):
     def __init__(self, binary: str) -> None:
         self.binary = binary
@@ -139,10 +146,9 @@ class InPod(CriuBackend):
             argv = env_argv(argv)
         res = reaper.run(argv, timeout=timeout)  # TimeoutError and OSError: the caller's
         if res.returncode != 0:
-            tail = ""
-            with contextlib.suppress(OSError):
-                tail = criu.log_tail(Path(log_file).read_text(errors="replace"))
-            raise BackendError("criu_failed", f"criu dump exited {res.returncode}:\n{tail}")
+            raise BackendError(
+                "criu_failed", f"criu dump exited {res.returncode}:\n{_log_tail(log_file)}"
+            )
 
     def finish(self, ckpt: Path, man: Manifest, key: bytes | None) -> None:
         manifest_io.write(ckpt, man, key)
@@ -186,12 +192,9 @@ class InPod(CriuBackend):
                 "criu_restore_failed", f"criu restore took longer than {opts.timeout:g}s"
             ) from e
         if res.returncode != 0:
-            tail = ""
-            with contextlib.suppress(OSError):
-                tail = criu.log_tail(Path(criu_log).read_text(errors="replace"))
             raise BackendError(
                 "criu_restore_failed",
-                f"criu restore exited {res.returncode}: {res.output[-500:]}{tail}",
+                f"criu restore exited {res.returncode}: {res.output[-500:]}{_log_tail(criu_log)}",
             )
         return int(Path(pidfile).read_text().strip())
 

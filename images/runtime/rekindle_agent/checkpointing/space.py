@@ -11,7 +11,10 @@ file-backed pages are not dumped); the weights dump holds the weights, which
 on CPU are part of that anonymous memory (released from it before CRIU runs,
 so counted once) and on GPU live in device memory (counted from the model's
 weight files); the /dev/shm files the tree maps are copied. Plus a margin for
-what the estimate cannot see (allocator growth, CRIU's own metadata).
+what the estimate cannot see (allocator growth, CRIU's own metadata). It is
+low for a tree restored with the mmap restore: the pages it still maps from
+its old image are file-backed to the kernel, yet the patched CRIU writes them
+too; a dump that then fills the volume fails as volume_full, as before.
 """
 
 from __future__ import annotations

@@ -166,7 +166,13 @@ CASES: dict[str, tuple[Any, str]] = {
     ),
     "cuda-checkpoint without --action": (_mutate_old_cuda_checkpoint, "does not list --action"),
     "no driver": (lambda n: {"root": n[0] / "nowhere"}, "no NVIDIA driver"),
-    "old driver": (_mutate_old_driver, "older than r555"),
+    "old driver": (_mutate_old_driver, "older than r555, which the CUDA plugin needs"),
+    "driver older than the image's CUDA": (
+        lambda n: {
+            "agent_env": {"NVIDIA_VISIBLE_DEVICES": UUID, "REKINDLE_MIN_NVIDIA_DRIVER": "580"}
+        },
+        "570.86.15 is older than r580, which this image's CUDA runtime needs",
+    ),
     "no /proc/driver/nvidia/gpus": (_mutate_no_gpus_dir, "/proc/driver/nvidia/gpus is missing"),
     "no allocation": (lambda n: {"agent_env": {}}, "request the GPU through the device plugin"),
     "every GPU": (

@@ -6,6 +6,7 @@ import json
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import ClassVar
 
 import pytest
@@ -108,7 +109,7 @@ def test_missing_rpc_is_recognised(fake: str) -> None:
     _Fake.unknown = {"rekindle_dump_weights"}
     with pytest.raises(VllmCallError) as e:
         VllmControl(fake, "cpu").release("/ck/weights")
-    assert e.value.status == 500 and missing_method(e.value)
+    assert e.value.status == 500 and missing_method(e.value, "rekindle_dump_weights")
     assert len(_Fake.seen) == 1  # nothing released after a failed dump
 
 
@@ -273,3 +274,43 @@ def test_calls_to_vllm_never_take_the_environments_proxy(
     finally:
         proxy.shutdown()
         proxy.server_close()
+
+
+MISSING = "AttributeError: 'CPUWorker' object has no attribute 'rekindle_dump_weights'"
+INSIDE = "AttributeError: 'GPUModelRunner' object has no attribute 'model'"
+
+
+class _DumpFails:
+    """A VllmControl whose weight dump answers with body (and that records the rest)."""
+
+    def __init__(self, device: str, body: str) -> None:
+        self.device, self.body, self.released = device, body, False
+
+    def dump_weights(self, weights_dir: str) -> None:
+        raise VllmCallError("/collective_rpc rekindle_dump_weights", 500, self.body)
+
+    def release_weights(self) -> None:
+        self.released = True
+
+
+def test_only_the_missing_method_itself_counts_as_missing() -> None:
+    assert missing_method(VllmCallError("x", 500, MISSING), "rekindle_dump_weights")
+    # An AttributeError from inside vLLM (its internals moved) is a failed call.
+    assert not missing_method(VllmCallError("x", 500, INSIDE), "rekindle_dump_weights")
+    assert not missing_method(VllmCallError("x", 500, MISSING), "rekindle_release_weights")
+
+
+def test_without_the_extension_cpu_dumps_unreleased_gpu_refuses(tmp_path: Path) -> None:
+    from rekindle_agent.checkpointing import checkpoint
+
+    cpu = _DumpFails("cpu", MISSING)
+    weights, _ = checkpoint._release(cpu, tmp_path / "w")  # type: ignore[arg-type]
+    assert weights["released"] is False and "not available" in weights["reason"]
+    # On GPU cuda-checkpoint would copy every weight to host memory: refused.
+    gpu = _DumpFails("cuda", MISSING)
+    with pytest.raises(checkpoint.CheckpointError, match="GPU checkpoint without release") as e:
+        checkpoint._release(gpu, tmp_path / "w")  # type: ignore[arg-type]
+    assert e.value.reason == "release_failed" and not gpu.released
+    # Any other AttributeError fails the checkpoint, on CPU too: never a silent no-release.
+    with pytest.raises(checkpoint.CheckpointError, match="dumping the weights failed"):
+        checkpoint._release(_DumpFails("cpu", INSIDE), tmp_path / "w")  # type: ignore[arg-type]

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from rekindle_agent.checkpointing import gpu_preflight
 from rekindle_contract.agent_args import AGENT_COMMAND, CUDA_PLUGIN_DIR, defaults
 from rekindle_contract.pod import CRIU_ENV
 
@@ -249,3 +250,15 @@ def test_a_built_root_filesystem_has_every_part() -> None:
     assert not (site / "rekindle_operator").exists()
     cfg = json.loads((out / "image-config.json").read_text())
     assert cfg["Entrypoint"] == ["/usr/local/bin/rekindle", "agent"] and cfg["User"] == "0:0"
+
+
+def test_the_image_states_the_driver_its_cuda_needs(
+    dockerfile: tuple[dict[str, str], list[Stage]],
+) -> None:
+    """The preflight refuses below the image's own floor (CUDA 13: r580), not only the
+    CUDA plugin's (r555): the image says which, beside the CUDA version it names."""
+    env = " ".join(dockerfile[1][-1].all("ENV"))
+    assert f"{gpu_preflight.DRIVER_FLOOR_ENV}=580" in env
+    assert "CUDA 13.0 (NVIDIA driver 580 or newer)" in (GPU / "Dockerfile").read_text()
+    assert gpu_preflight.driver_floor({gpu_preflight.DRIVER_FLOOR_ENV: "580"})[0] == 580
+    assert gpu_preflight.driver_floor({})[0] == gpu_preflight.MIN_DRIVER_MAJOR

@@ -30,6 +30,7 @@ from rekindle_contract.manifest import (
     FileEntry,
     Manifest,
 )
+from rekindle_contract.rpc import DUMP_WEIGHTS
 from rekindle_store import manifest_io
 
 from rekindle_agent import __version__
@@ -329,11 +330,20 @@ def _release(control: VllmControl, weights_dir: Path) -> tuple[dict[str, Any], d
     try:
         control.dump_weights(str(weights_dir))
     except VllmCallError as e:
-        if not missing_method(e):
+        if not missing_method(e, DUMP_WEIGHTS):
             reason = os_reason(OSError(e.body))
             raise CheckpointError(
                 f"dumping the weights failed: {e}",
                 reason="release_failed" if reason == "io_error" else reason,
+            ) from e
+        if control.device == "cuda":
+            # cuda-checkpoint would copy every weight and the KV cache to host memory:
+            # an OOM kill or an image the size of the GPU's memory.
+            raise CheckpointError(
+                "Rekindle's worker extension is not loaded in this vLLM, so its weights "
+                "cannot be released before the dump; a GPU checkpoint without release is "
+                "refused: start vLLM with the extension (--worker-extension auto)",
+                reason="release_failed",
             ) from e
         weights["reason"] = "weights RPCs not available in this vLLM: checkpoint without release"
         with contextlib.suppress(OSError):

@@ -43,6 +43,9 @@ from pathlib import Path
 PLUGIN_FILE = "cuda_plugin.so"
 CUDA_CHECKPOINT = "cuda-checkpoint"
 MIN_DRIVER_MAJOR = 555  # the CUDA plugin's own floor: `--action` appeared in r555
+# The image's own floor, set by the image that knows its CUDA runtime (the GPU
+# image's CUDA 13 needs r580); the preflight refuses below the higher of the two.
+DRIVER_FLOOR_ENV = "REKINDLE_MIN_NVIDIA_DRIVER"
 REQUIRED_OPTIONS = ("--action",)  # what cuda_plugin_init() looks for in `cuda-checkpoint -h`
 ACTIONS = ("lock", "checkpoint", "restore", "unlock")  # what the plugin runs
 MPS_PIPE_DEFAULT = "tmp/nvidia-mps"
@@ -224,14 +227,23 @@ def _cuda_checkpoint(name: str, run: Runner, problems: list[str]) -> tuple[str |
     return binary, cuda_checkpoint_version(text, binary)
 
 
-def _driver(root: str | Path, problems: list[str]) -> str | None:
+def driver_floor(agent_env: Mapping[str, str]) -> tuple[int, str]:
+    """The lowest driver major version this image runs with, and who needs it."""
+    image = agent_env.get(DRIVER_FLOOR_ENV, "")
+    if image.isdigit() and int(image) > MIN_DRIVER_MAJOR:
+        return int(image), "this image's CUDA runtime"
+    return MIN_DRIVER_MAJOR, "the CUDA plugin"
+
+
+def _driver(root: str | Path, agent_env: Mapping[str, str], problems: list[str]) -> str | None:
     version = driver_version(root)
+    floor, who = driver_floor(agent_env)
     if version is None:
         problems.append("no NVIDIA driver: /proc/driver/nvidia/version is missing or unreadable")
-    elif int(version.split(".")[0]) < MIN_DRIVER_MAJOR:
+    elif int(version.split(".")[0]) < floor:
         problems.append(
-            f"NVIDIA driver {version} is older than r{MIN_DRIVER_MAJOR}, "
-            "which the CUDA plugin needs"
+            f"NVIDIA driver {version} is older than r{floor}, which {who} needs: "
+            "upgrade the node's driver or use an image built for this one"
         )
     return version
 
@@ -302,7 +314,7 @@ def check(
     problems: list[str] = []
     plugin_sha = _plugin(plugins_dir, problems)
     binary, version = _cuda_checkpoint(cuda_checkpoint, run, problems)
-    driver = _driver(root, problems)
+    driver = _driver(root, agent_env, problems)
     if not under(root, "/proc/driver/nvidia/gpus").is_dir():
         problems.append("/proc/driver/nvidia/gpus is missing: the plugin would turn itself off")
     gpus = node_gpus(root)

@@ -35,9 +35,13 @@ class VllmCallError(RuntimeError):
         self.body = body
 
 
-def missing_method(err: VllmCallError) -> bool:
-    """vLLM answers an unknown collective_rpc method with an AttributeError text."""
-    return "has no attribute" in err.body or "AttributeError" in err.body
+def missing_method(err: VllmCallError, method: str) -> bool:
+    """vLLM answers an unknown collective_rpc method with an AttributeError naming it.
+
+    Only that one: an AttributeError raised inside the method (a vLLM version
+    whose internals moved) is a failure of the call, not a missing extension.
+    """
+    return f"has no attribute '{method}'" in err.body
 
 
 # vLLM is on loopback: never through a proxy the pod's environment names (HTTP_PROXY is

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from rekindle_agent.checkpointing import criu, fingerprint
 
 
@@ -71,3 +72,30 @@ def test_cpu_isa_is_compared_and_read_from_cpuinfo() -> None:
     )
     assert len(problems) == 1 and problems[0].startswith("cpu_isa: checkpoint has 'amx_tile,")
     assert fingerprint.cpu_isa() == fingerprint.cpu_isa()  # this machine: stable
+
+
+def test_the_gpu_identity_is_this_pods_gpus_not_the_nodes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A privileged container sees every GPU of the node; the fingerprint names only the
+    ones vLLM is pinned to, so a node with another GPU count still matches."""
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(
+        "#!/bin/sh\n"
+        'case "$*" in\n'
+        '  *--id=GPU-a*) echo "NVIDIA H100 80GB HBM3, 580.65.06" ;;\n'
+        '  *) printf "NVIDIA H100 80GB HBM3, 580.65.06\\nNVIDIA H100 80GB HBM3, 580.65.06\\n" ;;\n'
+        "esac\n"
+    )
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    one = ("NVIDIA H100 80GB HBM3", "580.65.06")
+    assert fingerprint.gpu_identity("GPU-aaaa") == one
+    assert fingerprint.gpu_identity(None) == (
+        "NVIDIA H100 80GB HBM3;NVIDIA H100 80GB HBM3",
+        "580.65.06",
+    )
+    fp = fingerprint.collect(
+        str(tmp_path), ["python", "-m", "vllm"], "cuda", {"CUDA_VISIBLE_DEVICES": "GPU-aaaa"}, "i"
+    )
+    assert (fp["gpu"], fp["driver"]) == one

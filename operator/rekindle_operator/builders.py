@@ -131,16 +131,23 @@ def _meta(spec: IsvcSpec, name: str, owner: Mapping[str, Any] | None, component:
     return meta
 
 
-def build_secret(spec: IsvcSpec, owner: Mapping[str, Any] | None = None, token: str = "") -> Obj:
-    """The agent's bearer token; generated once (the handler never replaces an existing one)."""
+def _token_secret(
+    spec: IsvcSpec, name: str, component: str, owner: Mapping[str, Any] | None, token: str
+) -> Obj:
+    """A Secret holding one random bearer token under TOKEN_KEY."""
     token = token or secrets.token_urlsafe(32)
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": _meta(spec, secret_name(spec.name), owner, "agent-token"),
+        "metadata": _meta(spec, name, owner, component),
         "type": "Opaque",
         "data": {TOKEN_KEY: base64.b64encode(token.encode()).decode()},
     }
+
+
+def build_secret(spec: IsvcSpec, owner: Mapping[str, Any] | None = None, token: str = "") -> Obj:
+    """The agent's bearer token; generated once (the handler never replaces an existing one)."""
+    return _token_secret(spec, secret_name(spec.name), "agent-token", owner, token)
 
 
 def build_metrics_secret(
@@ -151,14 +158,7 @@ def build_metrics_secret(
     A Secret of its own, apart from the agent token, so whoever may read it
     (Prometheus, a PodMonitor) cannot trigger a checkpoint or read status.
     """
-    token = token or secrets.token_urlsafe(32)
-    return {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": _meta(spec, metrics_secret_name(spec.name), owner, "metrics-token"),
-        "type": "Opaque",
-        "data": {TOKEN_KEY: base64.b64encode(token.encode()).decode()},
-    }
+    return _token_secret(spec, metrics_secret_name(spec.name), "metrics-token", owner, token)
 
 
 def build_signing_secret(

@@ -502,48 +502,39 @@ def checkpoint_ahead(checkpoints: list[dict[str, Any]], body: Body) -> str:
     return ""
 
 
-def _wait_for_turn(kube: Kube, body: Body, emit: Emit, isvc_name: str, ahead: str) -> Status:
+def _wait(
+    kube: Kube, body: Body, emit: Emit, reason: str, why: str, failure: tuple[str, str]
+) -> Status:
+    """Stay Pending with reason and why (written only when it changes), or, once the
+    Checkpoint is older than its timeout, fail with failure (reason, message)."""
     meta, status = body["metadata"], body.get("status") or {}
-    timeout = _timeout(body)
     age = (parse_time(now_iso()) - parse_time(meta["creationTimestamp"])).total_seconds()
-    if age > timeout:
-        return _fail(
-            kube,
-            body,
-            emit,
-            "CheckpointBusy",
-            f"Checkpoint {ahead} of {isvc_name} was still in progress after {timeout}s; "
-            "retry once it is finished",
-        )
+    if age > _timeout(body):
+        return _fail(kube, body, emit, *failure)
+    waiting = {"phase": CKPT_PENDING, "reason": reason, "message": why}
+    if status.get("message") != why:
+        _set_status(kube, body, waiting)
+    return {**status, **waiting}
+
+
+def _wait_for_turn(kube: Kube, body: Body, emit: Emit, isvc_name: str, ahead: str) -> Status:
     why = (
         f"waiting for Checkpoint {ahead} of {isvc_name} to finish: one checkpoint per "
         "InferenceService at a time (each takes a replica out of rotation)"
     )
-    waiting = {"phase": CKPT_PENDING, "reason": "WaitingForCheckpoint", "message": why}
-    if status.get("message") != why:
-        _set_status(kube, body, waiting)
-    return {**status, **waiting}
+    busy = (
+        f"Checkpoint {ahead} of {isvc_name} was still in progress after {_timeout(body)}s; "
+        "retry once it is finished"
+    )
+    return _wait(kube, body, emit, "WaitingForCheckpoint", why, ("CheckpointBusy", busy))
 
 
 def _wait_for_pod(kube: Kube, body: Body, emit: Emit, isvc_name: str, skipped: list[str]) -> Status:
-    meta, status = body["metadata"], body.get("status") or {}
-    timeout = _timeout(body)
-    age = (parse_time(now_iso()) - parse_time(meta["creationTimestamp"])).total_seconds()
-    if age > timeout:
-        return _fail(
-            kube,
-            body,
-            emit,
-            "NoReadyPod",
-            f"no ready pod of {isvc_name} within {timeout}s: scale it up and retry",
-        )
     why = f"waiting for a pod of {isvc_name} to checkpoint: " + (
         "; ".join(skipped) or "none is ready"
     )
-    waiting = {"phase": CKPT_PENDING, "reason": "WaitingForPod", "message": why}
-    if status.get("message") != why:
-        _set_status(kube, body, waiting)
-    return {**status, **waiting}
+    none = f"no ready pod of {isvc_name} within {_timeout(body)}s: scale it up and retry"
+    return _wait(kube, body, emit, "WaitingForPod", why, ("NoReadyPod", none))
 
 
 def _point_new_replicas(kube: Kube, body: Body) -> None:

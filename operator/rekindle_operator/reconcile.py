@@ -51,21 +51,32 @@ def spec_of(body: Body) -> IsvcSpec:
     )
 
 
-def signing_key(kube: Kube, spec: IsvcSpec) -> bytes | None:
-    """The service's signing key, as its agents read it (whitespace stripped)."""
-    sec = kube.get("Secret", spec.namespace, b.signing_secret_name(spec.name)) or {}
-    value = (sec.get("data") or {}).get(SIGNING_KEY_KEY)
+def _key_of(secret: Mapping[str, Any] | None) -> bytes | None:
+    """The signing key in its Secret, as the agents read it (whitespace stripped)."""
+    value = ((secret or {}).get("data") or {}).get(SIGNING_KEY_KEY)
     return base64.b64decode(value).strip() if value else None
 
 
+def signing_key(kube: Kube, spec: IsvcSpec) -> bytes | None:
+    """The service's signing key, read from its Secret."""
+    return _key_of(kube.get("Secret", spec.namespace, b.signing_secret_name(spec.name)))
+
+
 def update_pointer(
-    kube: Kube, body: Body, spec: IsvcSpec, checkpoints: list[dict[str, Any]]
+    kube: Kube,
+    body: Body,
+    spec: IsvcSpec,
+    checkpoints: list[dict[str, Any]],
+    key: bytes | None = None,
 ) -> str | None:
     """Point new replicas at the newest usable checkpoint, signed for this service
-    (rekindle_contract.restore_pointer); returns its name if they will use it."""
+    (rekindle_contract.restore_pointer); returns its name if they will use it.
+
+    key: the signing key when the caller has it (reconcile: ensure_secrets), else read."""
     best = newest_usable(checkpoints, spec.name, spec_fingerprint(spec))
     path, signature = "", ""
-    key = signing_key(kube, spec) if best else None
+    if best is not None and key is None:
+        key = signing_key(kube, spec)
     if best is not None and key is not None:
         path = str(best["status"]["path"])
         service_uid = str(body["metadata"].get("uid") or "")
@@ -116,11 +127,17 @@ def admin_tls_problem(kube: Kube, spec: IsvcSpec) -> str | None:
     return None if problem is None else f"{problem}; the Deployment is not updated until then"
 
 
-def ensure_secrets(kube: Kube, body: Body, spec: IsvcSpec) -> None:
-    """The agents' tokens and the signing key, generated once (the pointer needs the key)."""
+def ensure_secrets(kube: Kube, body: Body, spec: IsvcSpec) -> bytes | None:
+    """The agents' tokens and the signing key, generated once; returns the key (the
+    restore pointer is signed with it), read once per reconcile."""
     kube.create_if_absent(b.build_secret(spec, owner=body))
     kube.create_if_absent(b.build_metrics_secret(spec, owner=body))
-    kube.create_if_absent(b.build_signing_secret(spec, owner=body))
+    signing = kube.get("Secret", spec.namespace, b.signing_secret_name(spec.name))
+    if signing is None:
+        signing = b.build_signing_secret(spec, owner=body)
+        if not kube.create_if_absent(signing):  # made meanwhile: that one counts
+            signing = kube.get("Secret", spec.namespace, b.signing_secret_name(spec.name))
+    return _key_of(signing)
 
 
 def ensure_objects(
@@ -315,8 +332,8 @@ def reconcile(
     tls_error = admin_tls_problem(kube, spec)
     if shm_error is None:
         # The pointer before the Deployment: a pod the Deployment change starts must see it.
-        ensure_secrets(kube, body, spec)
-        in_use = update_pointer(kube, body, spec, checkpoints)
+        key = ensure_secrets(kube, body, spec)
+        in_use = update_pointer(kube, body, spec, checkpoints, key)
         ensure_objects(
             kube,
             body,

@@ -405,6 +405,25 @@ def only_vllm_families(text: bytes) -> bytes:
     return b"".join(kept)
 
 
+def _checkpoint_refused(
+    agent: Agent,
+    target: object,
+    reason: str,
+    message: str,
+    status: int,
+    headers: dict[str, str] | None = None,
+) -> web.Response:
+    """A checkpoint given up before anything was dumped: recorded, counted, answered."""
+    agent.status.last_checkpoint = {
+        "dir": str(target),
+        "ok": False,
+        "reason": reason,
+        "error": message,
+    }
+    agent.metrics.checkpoints.labels("failed").inc()
+    return web.json_response({"error": message, "reason": reason}, status=status, headers=headers)
+
+
 async def post_checkpoint(request: web.Request) -> web.Response:
     agent = request.app[AGENT_KEY]
     proxy = request.app[PROXY_KEY]
@@ -434,14 +453,7 @@ async def post_checkpoint(request: web.Request) -> web.Response:
     no_room = await asyncio.to_thread(agent.space_problem, target)
     if no_room is not None:  # before draining: serving untouched
         agent.flow_lock.release()
-        agent.status.last_checkpoint = {
-            "dir": str(target),
-            "ok": False,
-            "reason": "insufficient_space",
-            "error": no_room,
-        }
-        agent.metrics.checkpoints.labels("failed").inc()
-        return web.json_response({"error": no_room, "reason": "insufficient_space"}, status=507)
+        return _checkpoint_refused(agent, target, "insufficient_space", no_room, 507)
     try:
         agent.guard(f"the checkpoint to {target}", target)
         agent.set_state("Draining", f"checkpoint to {target}")
@@ -454,18 +466,9 @@ async def post_checkpoint(request: web.Request) -> web.Response:
                 "or raise --drain-timeout"
             )
             agent.unguard()
-            agent.status.last_checkpoint = {
-                "dir": str(target),
-                "ok": False,
-                "reason": "drain_timeout",
-                "error": message,
-            }
-            agent.metrics.checkpoints.labels("failed").inc()
             agent.set_state("Ready", "drain timed out; checkpoint cancelled")
-            return web.json_response(
-                {"error": message, "reason": "drain_timeout"},
-                status=503,
-                headers={"Retry-After": RETRY_AFTER_S},
+            return _checkpoint_refused(
+                agent, target, "drain_timeout", message, 503, {"Retry-After": RETRY_AFTER_S}
             )
         await proxy.close_connections()
         agent.set_state("Checkpointing", f"dumping to {target}")

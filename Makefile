@@ -16,7 +16,7 @@ export PATH       := $(VENV)/bin:$(DEPS_VENV)/bin:$(K8S_BIN):$(PATH)
 PYTEST      := $(PY) -m pytest --durations=25 --durations-min=1
 # What a suite needs that make does not install, checked first: names all that is missing.
 PREFLIGHT   := python3 -P scripts/rekindle_dev/testenv.py
-FAST        := not cluster and not criu and not vllm and not packaging
+FAST        := not cluster and not criu and not vllm and not packaging and not store
 
 .PHONY: help env lint fmt typecheck test test-preflight test-unit test-packaging test-criu \
         test-vllm test-cluster \
@@ -41,10 +41,10 @@ fmt: env ## format and autofix with ruff
 	ruff format .
 	ruff check --fix .
 
-test: test-preflight lint test-unit test-packaging test-criu test-vllm test-cluster ## everything: lint, unit, packaging, CRIU, vLLM and cluster suites
+test: test-preflight lint test-unit test-packaging test-store test-criu test-vllm test-cluster ## everything: lint, unit, packaging, object store, CRIU, vLLM and cluster suites
 
 test-preflight: ## what every suite needs from this machine (and make does not install), checked at once
-	$(PREFLIGHT) unit packaging criu vllm cluster
+	$(PREFLIGHT) unit packaging store criu vllm cluster
 
 preflight-%:
 	$(PREFLIGHT) $*
@@ -55,6 +55,10 @@ test-unit: preflight-unit env ## fast tests: no servers; root for a few (mounts,
 
 test-packaging: preflight-packaging env ## pip install '.[operator]' into a clean venv: kubectl-rekindle and --plot work
 	$(PYTEST) -m packaging
+
+test-store: preflight-store env ## a real S3-compatible server (SeaweedFS) on loopback: publish, verified ranged pulls, resume; builds it on a cache miss
+	scripts/build-seaweedfs >/dev/null
+	$(PYTEST) -m store
 
 test-criu: preflight-criu env ## real CRIU dump/restore (root); builds CRIU on a cache miss
 	scripts/build-criu >/dev/null

@@ -128,6 +128,12 @@ class AgentArgs:
         "(verifying every byte)",
         default=False,
     )
+    node_store: bool = _opt(
+        "with --node-socket: the node agent publishes each proven checkpoint to its object "
+        "store (the chart's nodeAgent.objectStore), and pulls one its cache lacks from there "
+        "(parallel ranged reads, verifying every byte)",
+        default=False,
+    )
     dump_timeout: float = _opt("seconds CRIU's dump may take", default=600.0)
     checkpoint_timeout: float = _opt(
         "watchdog: seconds a whole checkpoint (drain, dump, proving restore) may take "

@@ -52,6 +52,7 @@ def agent_args(spec: IsvcSpec) -> AgentArgs:
         # The node agent's socket comes by env (builders); publishing by flag, so an
         # agent too old to know it stops with a usage error instead of not publishing.
         node_publish=spec.storage.publish == "pvc",
+        node_store=spec.storage.publish == "objectStore",
         allowed_media_domains=",".join(spec.mm_allowed_media_domains) or None,
         media_redirects=spec.mm_media_redirects,
         vllm_args=list(spec.vllm_args),

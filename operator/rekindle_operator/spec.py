@@ -436,9 +436,10 @@ def validate(s: IsvcSpec) -> None:
             f"spec.coldStart.storage.pvc.accessMode is {s.storage.access_mode!r}: use "
             "ReadWriteMany (replicas on several nodes) or ReadWriteOnce (one node)"
         )
-    if s.storage.publish not in ("none", "pvc"):
+    if s.storage.publish not in ("none", "pvc", "objectStore"):
         raise SpecError(
-            f"spec.coldStart.storage.node.publish is {s.storage.publish!r}: use 'none' or 'pvc'"
+            f"spec.coldStart.storage.node.publish is {s.storage.publish!r}: use 'none', 'pvc' "
+            "or 'objectStore'"
         )
     if s.storage.publish != "none" and s.storage.type != "node":
         raise SpecError(

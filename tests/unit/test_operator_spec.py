@@ -51,7 +51,7 @@ def test_restart_annotation_is_carried() -> None:
         ({"coldStart": {"restorePolicy": "Always"}}, "IfAvailable or Never"),
         (
             {"coldStart": {"storage": {"type": "node", "node": {"publish": "s3"}}}},
-            "'none' or 'pvc'",
+            "'none', 'pvc' or 'objectStore'",
         ),
         ({"coldStart": {"storage": {"node": {"publish": "pvc"}}}}, "type: node"),
         ({"multimodal": {"cacheSize": "lots"}}, "quantity"),

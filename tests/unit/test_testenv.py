@@ -30,7 +30,7 @@ def preflight(*suites: str, path: str | None = None, user: int | None = None) ->
 
 
 def test_every_need_of_every_suite_is_known() -> None:
-    assert set(testenv.SUITES) == {"unit", "packaging", "criu", "vllm", "cluster"}
+    assert set(testenv.SUITES) == {"unit", "packaging", "store", "criu", "vllm", "cluster"}
     for suite, needs in testenv.SUITES.items():
         assert set(needs) <= set(testenv.NEEDS), suite
 

@@ -147,3 +147,11 @@ repository@digest when a digest is set (it wins over the tag), else repository:t
   resources: ["events"]
   verbs: ["create"]
 {{- end }}
+
+{{/*
+The Secret holding the node agents' checkpoint signing key: the one named in
+values, or the one the chart makes.
+*/}}
+{{- define "rekindle.nodeSigningKeySecret" -}}
+{{- .Values.nodeAgent.signingKeySecret | default (printf "%s-node-signing-key" (include "rekindle.fullname" .)) -}}
+{{- end }}

@@ -87,7 +87,7 @@ class Agent:
                 "(anyone who can write the checkpoint volume decides what is restored)"
             )
         self.backend: CriuBackend = (
-            NodeAgent(cfg.node_socket, cfg.pod_uid or "", cfg.node_publish)
+            NodeAgent(cfg.node_socket, cfg.pod_uid or "", cfg.node_publish, cfg.node_store)
             if cfg.node_socket
             else InPod(cfg.criu)
         )

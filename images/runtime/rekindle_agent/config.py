@@ -105,9 +105,12 @@ class AgentConfig(AgentArgs):
                 "--node-socket needs --pod-uid (or REKINDLE_POD_UID from the downward API): "
                 "the node agent answers a pod only about itself"
             )
-        if self.node_publish and not self.node_socket:
+        if (self.node_publish or self.node_store) and not self.node_socket:
+            which = "--node-publish" if self.node_publish else "--node-store"
+            raise ConfigError(f"{which} needs --node-socket: the node agent publishes and pulls")
+        if self.node_publish and self.node_store:
             raise ConfigError(
-                "--node-publish needs --node-socket: the node agent publishes and pulls"
+                "--node-publish and --node-store: choose one place to publish checkpoints"
             )
         if self.signing_key_file and self.verify_checksums not in SECURE_VERIFY:
             raise ConfigError(

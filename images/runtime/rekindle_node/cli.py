@@ -12,9 +12,10 @@ import sys
 from pathlib import Path
 
 from rekindle_store.node_cache import NodeCache
+from rekindle_store.s3 import Bucket, Credentials
 
 from rekindle_node import criu_run
-from rekindle_node.operations import NodeSettings, Operations
+from rekindle_node.operations import NodeSettings, ObjectStore, Operations
 from rekindle_node.pod_resources import PodResourcesClient
 from rekindle_node.pod_sockets import PodSockets
 
@@ -58,6 +59,27 @@ def parser() -> argparse.ArgumentParser:
         help="the kubelet's PodResources socket (<kubelet root>/pod-resources/kubelet.sock): "
         "the devices a pod was allocated",
     )
+    p.add_argument(
+        "--signing-key-file",
+        type=Path,
+        default=None,
+        help="the fleet's signing key (a mounted Secret, 32+ bytes): every node agent that "
+        "shares it trusts the others' checkpoints (needed with --store-endpoint); default: a "
+        "key of this node alone, made once under --state-dir",
+    )
+    store = p.add_argument_group("object store (checkpoints shared between nodes)")
+    store.add_argument("--store-endpoint", default=None, help="http(s)://HOST[:PORT] of S3")
+    store.add_argument("--store-bucket", default=None)
+    store.add_argument("--store-prefix", default="rekindle", help="keys start PREFIX/NAMESPACE/")
+    store.add_argument("--store-region", default="us-east-1")
+    store.add_argument(
+        "--store-credentials",
+        type=Path,
+        default=None,
+        help="a directory with files accessKeyID and secretAccessKey (a mounted Secret)",
+    )
+    store.add_argument("--store-ca-file", type=Path, default=None, help="CA bundle for https")
+    store.add_argument("--store-threads", type=int, default=8, help="ranged reads in flight")
     p.add_argument("--scan-interval", type=float, default=0.1, help="seconds between pod scans")
     p.add_argument("--node-name", default=os.environ.get("NODE_NAME") or socket.gethostname())
     return p
@@ -78,6 +100,41 @@ def node_key(state: Path) -> bytes:
     return key
 
 
+def fleet_key(path: Path) -> bytes:
+    key = path.read_bytes().strip()
+    if len(key) < 32:
+        raise SystemExit(f"{path}: the signing key must be at least 32 bytes")
+    return key
+
+
+def object_store(args: argparse.Namespace) -> ObjectStore | None:
+    """The object store the flags describe (None: none configured)."""
+    if not args.store_endpoint:
+        return None
+    missing = [
+        flag
+        for flag, value in (
+            ("--store-bucket", args.store_bucket),
+            ("--store-credentials", args.store_credentials),
+            ("--signing-key-file", args.signing_key_file),
+        )
+        if not value
+    ]
+    if missing:
+        raise SystemExit(
+            f"rekindle-node: --store-endpoint needs {', '.join(missing)} (a node's own key "
+            "cannot sign for the others)"
+        )
+    try:
+        creds = Credentials.from_dir(args.store_credentials)
+        bucket = Bucket(
+            args.store_endpoint, args.store_bucket, creds, args.store_region, args.store_ca_file
+        )
+    except ValueError as e:
+        raise SystemExit(f"rekindle-node: {e}") from e
+    return ObjectStore(bucket, args.store_prefix, max(1, args.store_threads))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -95,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     state.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(state, 0o700)
     cache = NodeCache(state / "cache", budget_bytes=int(args.cache_budget_gib * (1 << 30)))
+    store = object_store(args)
+    key = fleet_key(args.signing_key_file) if args.signing_key_file else node_key(state)
     ops = Operations(
         NodeSettings(
             criu=criu_run.CriuFiles(criu=args.criu, plugins=args.criu_plugins),
@@ -103,12 +162,15 @@ def main(argv: list[str] | None = None) -> int:
             cgroup_root=args.cgroup_root,
         ),
         cache,
-        node_key(state),
+        key,
         PodResourcesClient(str(args.pod_resources_socket)) if args.pod_resources_socket else None,
+        store,
     )
     sockets = PodSockets(args.containerd_tasks, ops.handlers(), on_gone=cache.unpin_holder)
     signal.signal(signal.SIGTERM, lambda *_: sockets.stop())
     log.info("node %s: watching %s", args.node_name, args.containerd_tasks)
+    if store is not None:
+        log.info("object store: %s, prefix %s", store.bucket, store.prefix)
     try:
         sockets.run(args.scan_interval)
     finally:

@@ -29,8 +29,9 @@ from rekindle_contract.manifest import (
     FileEntry,
     Manifest,
 )
-from rekindle_store import manifest_io, published, verified_copy
+from rekindle_store import manifest_io, object_copy, published, verified_copy
 from rekindle_store.node_cache import NodeCache, VerifiedCheckpoint
+from rekindle_store.s3 import Bucket
 
 from rekindle_node import criu_run, identity
 from rekindle_node.pod_resources import PodResourcesClient, PodResourcesError
@@ -64,6 +65,15 @@ class NodeSettings:
     timeout: float = 600.0
 
 
+@dataclass(frozen=True)
+class ObjectStore:
+    """The fleet's object store, where proven checkpoints travel between nodes."""
+
+    bucket: Bucket
+    prefix: str = "rekindle"
+    threads: int = 8  # ranged reads (and part uploads) in flight
+
+
 @dataclass
 class _Pending:
     """A dump waiting for its commit (one per pod)."""
@@ -82,10 +92,13 @@ class Operations:
         cache: NodeCache,
         key: bytes,
         pod_resources: PodResourcesClient | None = None,
+        store: ObjectStore | None = None,
     ) -> None:
         self.settings = settings
         self.cache = cache
         self.key = key
+        self.store = store
+        self.store_threads = store.threads if store else 1
         self.pod_resources = pod_resources
         self.pending: dict[str, _Pending] = {}  # by pod UID
         self._lock = threading.Lock()
@@ -236,12 +249,22 @@ class Operations:
     def publish(self, caller: Caller, req: Request) -> dict[str, Any]:
         """Copy checkpoint args.name to args.dir in the caller's pod (its shared checkpoint
         volume): a new directory, owned by the caller's user (the pod's storage; nothing
-        runs from it), the manifest signed as it is.
+        runs from it), the manifest signed as it is. With args.to "store": to the node
+        agent's object store instead (the pod never sees its credentials).
 
         What is published is for transport only: it comes back into a cache (this
-        node's after an eviction or a reboot, later another node's) through pull.
+        node's after an eviction or a reboot, another node's) through pull.
         """
         entry = self._entry(caller, req)
+        if req.args.get("to") == "store":
+            loc = self._store_location(caller, req)
+            sent = object_copy.publish(entry.path, loc, self.store_threads)
+            return {
+                "checkpoint": entry.entry,
+                "bytes": sent.bytes,
+                "seconds": sent.seconds,
+                "where": str(loc),
+            }
         parent, base = _pod_dir_arg(req)
         parent_fd = self._pod_dir(caller, parent)
         try:
@@ -257,14 +280,20 @@ class Operations:
         under args.name. The manifest must be signed by this node's key and name this
         namespace and args.name (an older checkpoint, or another namespace's, is refused)."""
         name = _name_arg(req)
-        src = req.args.get("dir")
-        if not isinstance(src, str) or not src.startswith("/"):
-            raise ValueError("dir: an absolute path in the pod")
-        src_fd = self._pod_dir(caller, src)
-        try:
-            entry = self.cache.get(src_fd, self.key, where=f"pod:{src}")
-        finally:
-            os.close(src_fd)
+        if req.args.get("from") == "store":
+            loc = self._store_location(caller, req)
+            src = str(loc)
+            entry = self.cache.get_from_store(loc, self.key, self.store_threads)
+        else:
+            path = req.args.get("dir")
+            if not isinstance(path, str) or not path.startswith("/"):
+                raise ValueError("dir: an absolute path in the pod")
+            src = path
+            src_fd = self._pod_dir(caller, path)
+            try:
+                entry = self.cache.get(src_fd, self.key, where=f"pod:{path}")
+            finally:
+                os.close(src_fd)
         ns = caller.container.namespace
         made = entry.manifest.get("identity", {})
         if made.get("namespace") != ns or made.get("name") != name:
@@ -279,6 +308,18 @@ class Operations:
             "seconds": entry.seconds,
             "copied": entry.copied,
         }
+
+    def _store_location(self, caller: Caller, req: Request) -> object_copy.StoreLocation:
+        """Where the caller's checkpoint args.name lives in the object store: below the
+        caller's own namespace, so a pod never reaches another namespace's objects."""
+        if self.store is None:
+            raise OperationError(
+                "no_store",
+                "this node agent has no object store: set the chart's nodeAgent.objectStore",
+            )
+        return object_copy.StoreLocation.of(
+            self.store.bucket, self.store.prefix, caller.container.namespace, _name_arg(req)
+        )
 
     def _pod_dir(self, caller: Caller, path: str) -> int:
         """A descriptor of directory path in the caller's pod, no link followed on the way."""

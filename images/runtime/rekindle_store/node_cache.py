@@ -7,6 +7,8 @@ Layout under the cache root (root-owned, 0700, on no tenant's volume):
     pins/<entry>/<holder>       a replica using the entry (a mapped restore maps
                                 its files: it must outlive the replica)
     staging/                    copies in progress (removed at start)
+    pulls/<entry>/              pulls from an object store in progress (resumed in the
+                                same boot; files are checked as they land)
 
 An entry's name is a content address: the SHA-256 of the signed manifest
 without its `verified` record and signature, so the same checkpoint published
@@ -26,13 +28,14 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from rekindle_contract.manifest import MANIFEST_NAME, VERIFIED_NAME, Manifest
 
-from rekindle_store import manifest_io, page_cache, signing, verified_copy
+from rekindle_store import manifest_io, object_copy, page_cache, signing, verified_copy
 from rekindle_store.verified_copy import CopyError
 
 ENTRY_RECORD = ".entry.json"
@@ -90,6 +93,7 @@ class NodeCache:
         self.staging = root / "staging"
         self.aliases = root / "names"
         self.copy_only_dir = root / "copy-only"
+        self.pulls = root / "pulls"
         self._lock = threading.Lock()  # one copy or eviction at a time
         for d in (root, self.entries, self.pins, self.aliases):
             d.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -134,29 +138,74 @@ class NodeCache:
                     raise CopyError(
                         "checksum_mismatch", f"{where}: the manifest changed while it was copied"
                     )
-                record = {
-                    "source": where,
-                    "boot_id": boot_id(),
-                    "verified_at": time.time(),
-                    "bytes": result.bytes,
-                }
-                _write_ro(stage / ENTRY_RECORD, json.dumps(record).encode())
-                _seal(stage)
-                dest = self.entries / name
-                shutil.rmtree(dest, ignore_errors=True)
-                os.rename(stage, dest)
+                return self._admit(stage, name, where, result)
             except BaseException:
                 _remove(stage)
                 raise
-            self._touch(name)
-            return VerifiedCheckpoint(
-                entry=name,
-                path=dest,
-                manifest=result.manifest,
-                bytes=result.bytes,
-                copied=True,
-                seconds=result.seconds,
-            )
+
+    def get_from_store(
+        self,
+        loc: object_copy.StoreLocation,
+        key: bytes,
+        threads: int = 8,
+        on_progress: Callable[[int], None] | None = None,
+    ) -> VerifiedCheckpoint:
+        """The verified copy of the checkpoint published at loc in an object store:
+        cached, or pulled now (parallel ranged reads, each file checked as it lands).
+
+        A pull that fails half-way keeps what it verified under pulls/ (this boot
+        only) and the next call for the same checkpoint resumes from there.
+        Raises CopyError (store_unreachable, no_checkpoint, checksum_mismatch,
+        cache_full, or the manifest's own reasons).
+        """
+        manifest, raw = object_copy.read_manifest(loc, key, None)
+        name = entry_name(raw)
+        with self._lock:
+            cached = self._cached(name, key, None)
+            if cached is not None:
+                return cached
+            need = sum(int(f["size"]) for f in manifest.get("files", []))
+            self._make_room(need, name)
+            self.pulls.mkdir(mode=0o700, exist_ok=True)
+            stage = self.pulls / name
+            try:
+                result = object_copy.pull_files(
+                    loc, manifest, raw, stage, True, boot_id(), threads, on_progress
+                )
+            except CopyError as e:
+                if e.reason != "store_unreachable":
+                    _remove(stage)  # nothing of a bad or missing object is kept
+                raise
+            try:
+                return self._admit(stage, name, str(loc), result)
+            except BaseException:
+                _remove(stage)
+                raise
+
+    def _admit(
+        self, stage: Path, name: str, source: str, result: verified_copy.CopyResult
+    ) -> VerifiedCheckpoint:
+        """Make the checked copy in stage the entry name (the lock is held)."""
+        record = {
+            "source": source,
+            "boot_id": boot_id(),
+            "verified_at": time.time(),
+            "bytes": result.bytes,
+        }
+        _write_ro(stage / ENTRY_RECORD, json.dumps(record).encode())
+        _seal(stage)
+        dest = self.entries / name
+        _remove(dest)
+        os.rename(stage, dest)
+        self._touch(name)
+        return VerifiedCheckpoint(
+            entry=name,
+            path=dest,
+            manifest=result.manifest,
+            bytes=result.bytes,
+            copied=True,
+            seconds=result.seconds,
+        )
 
     def new_staging(self) -> Path:
         """A fresh directory (0700) to write a checkpoint into before add_own()."""

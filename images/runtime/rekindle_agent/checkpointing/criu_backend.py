@@ -4,8 +4,9 @@ InPod     the agent runs CRIU itself (a privileged pod); a checkpoint is a direc
           on the pod's checkpoint volume, written, signed and read by the agent.
 NodeAgent the node agent runs CRIU (the pod is unprivileged); a checkpoint lives in
           the node agent's verified cache, named by the path the operator gave it,
-          and (publish) is copied to that path on shared storage once proven, from
-          where a node whose cache lacks it pulls it back, verifying every byte.
+          and (publish) is copied to that path on shared storage once proven, or
+          (store) to the node agent's object store, from where a node whose cache
+          lacks it pulls it back, verifying every byte.
           The agent saves what only it can (the weight dump, /dev/shm files) into a
           scratch directory, the node agent takes those in with the images and
           signs them; a restore reads the verified copy through a descriptor the
@@ -222,12 +223,16 @@ class NodeAgent(CriuBackend):
     privileged = False
     verified_content = True
 
-    def __init__(self, socket: str, pod_uid: str, publish: bool = False) -> None:
+    def __init__(
+        self, socket: str, pod_uid: str, publish: bool = False, store: bool = False
+    ) -> None:
         self.socket = socket
         self.pod_uid = pod_uid
-        # The checkpoint volume is shared storage: proven checkpoints are published
-        # there, and one missing from the node's cache is pulled back from there.
+        # publish: the checkpoint volume is shared storage; store: the node agent's
+        # object store is. Proven checkpoints are published there, and one missing
+        # from the node's cache is pulled back from there.
         self.publish = publish
+        self.store = store
         self._open: dict[str, int] = {}  # checkpoint name -> directory descriptor
 
     def _call(self, op: str, args: dict[str, Any], timeout: float = 600.0) -> dict[str, Any]:
@@ -282,7 +287,7 @@ class NodeAgent(CriuBackend):
         try:
             answer = self._call("open", {"name": str(ckpt)}, timeout=60)
         except BackendError as e:
-            if e.reason != "no_checkpoint" or not self.publish or not ckpt.is_dir():
+            if e.reason != "no_checkpoint" or not self._pullable(ckpt):
                 raise
             self._pull(ckpt)
             answer = self._call("open", {"name": str(ckpt)}, timeout=60)
@@ -290,14 +295,22 @@ class NodeAgent(CriuBackend):
         self._open[str(ckpt)] = fd
         return Path(f"/proc/{os.getpid()}/fd/{fd}")
 
+    def _pullable(self, ckpt: Path) -> bool:
+        return self.store or (self.publish and ckpt.is_dir())
+
+    def _where(self, ckpt: Path) -> dict[str, str]:
+        """Where the published copy of ckpt is, as publish and pull take it."""
+        return {"to": "store", "from": "store"} if self.store else {"dir": str(ckpt)}
+
     def _pull(self, ckpt: Path) -> None:
-        """Have the node agent verify the published copy at ckpt into its cache."""
+        """Have the node agent verify the published copy of ckpt into its cache."""
         t0 = time.monotonic()
-        answer = self._call("pull", {"name": str(ckpt), "dir": str(ckpt)})
+        answer = self._call("pull", {"name": str(ckpt), **self._where(ckpt)})
         self.pulled = time.monotonic() - t0
         log.info(
-            "node agent pulled %s from shared storage: %s bytes verified in %.2f s",
+            "node agent pulled %s from %s: %s bytes verified in %.2f s",
             ckpt,
+            answer.get("where") or "shared storage",
             answer.get("bytes"),
             self.pulled,
         )
@@ -332,18 +345,19 @@ class NodeAgent(CriuBackend):
         self, ckpt: Path, man: Manifest, details: dict[str, Any], key: bytes | None
     ) -> None:
         self._call("mark_verified", {"name": str(ckpt), "details": details}, timeout=60)
-        if self.publish:
+        if self.publish or self.store:
             self.published = self._publish(ckpt)
 
     def _publish(self, ckpt: Path) -> str:
         """Copy the proven checkpoint to shared storage; a failure leaves it on this node
         only (it still restores here), and says so."""
         try:
-            answer = self._call("publish", {"name": str(ckpt), "dir": str(ckpt)})
+            answer = self._call("publish", {"name": str(ckpt), **self._where(ckpt)})
         except BackendError as e:
             log.warning("checkpoint %s not published (only this node has it): %s", ckpt, e)
             return f"not published, only this node has it: {e}"
-        return f"published to {ckpt} ({answer.get('bytes')} bytes, {answer.get('seconds'):.1f} s)"
+        where = answer.get("where") or ckpt
+        return f"published to {where} ({answer.get('bytes')} bytes, {answer.get('seconds'):.1f} s)"
 
     def reserve_pids(self, floor: int) -> None:
         try:

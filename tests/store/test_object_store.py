@@ -1,0 +1,199 @@
+"""Checkpoints through a real S3-compatible server: published once, pulled into a node
+cache with parallel ranged reads, every byte checked as it lands, resumed after the
+store went away. The server is SeaweedFS (tests/store/seaweedfs.py); the node caches
+are real directories, as the node agent keeps them.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+from rekindle_contract.manifest import MANIFEST_FORMAT, MANIFEST_NAME, Manifest
+from rekindle_store import manifest_io, object_copy
+from rekindle_store.node_cache import NodeCache, VerifiedCheckpoint
+from rekindle_store.object_copy import PART_BYTES, StoreLocation
+from rekindle_store.s3 import Bucket, Credentials
+from rekindle_store.verified_copy import CopyError
+
+from .seaweedfs import SeaweedFS
+
+pytestmark = pytest.mark.store
+
+KEY = b"k" * 32
+# Three ranges of data around a hole of two whole ranges: the pull writes no zero range.
+PAGES_SIZE = 4 * PART_BYTES + 12345
+ZERO_SPAN = (PART_BYTES, 3 * PART_BYTES)
+
+
+def _pages() -> bytes:
+    data = bytearray(os.urandom(PAGES_SIZE))
+    data[ZERO_SPAN[0] : ZERO_SPAN[1]] = bytes(ZERO_SPAN[1] - ZERO_SPAN[0])
+    return bytes(data)
+
+
+def _checkpoint(root: Path, pages: bytes, key: bytes = KEY) -> Path:
+    """A signed checkpoint directory, as a node agent publishes one."""
+    (root / "images").mkdir(parents=True)
+    (root / "images" / "pages-1.img").write_bytes(pages)
+    (root / "images" / "core-1.img").write_bytes(b"core")
+    (root / "images" / "empty.img").write_bytes(b"")
+    (root / "shm").mkdir()
+    (root / "shm" / "psm_1").write_bytes(b"shm contents")
+    files = manifest_io.checksum_files(root, manifest_io.list_files(root), threads=2)
+    doc: dict[str, Any] = {
+        "format": MANIFEST_FORMAT,
+        "fingerprint": {},
+        "criu": {},
+        "vllm": {"root_pid": 123},
+        "identity": {"namespace": "team-a", "name": "/checkpoints/first-1a2b"},
+        "files": files,
+    }
+    manifest_io.write(root, cast(Manifest, doc), key)
+    return root
+
+
+def _published(
+    tmp_path: Path, bucket: Bucket, pages: bytes
+) -> tuple[VerifiedCheckpoint, StoreLocation]:
+    """A checkpoint verified into node A's cache and published from there."""
+    node_a = NodeCache(tmp_path / "node-a", budget_bytes=1 << 30)
+    entry = node_a.get(_checkpoint(tmp_path / "made", pages), KEY)
+    loc = StoreLocation.of(bucket, "rekindle", "team-a", "/checkpoints/first-1a2b")
+    sent = object_copy.publish(entry.path, loc, threads=4)
+    assert (sent.files, sent.bytes) == (4, entry.bytes)
+    return entry, loc
+
+
+def _node_b(tmp_path: Path) -> NodeCache:
+    return NodeCache(tmp_path / "node-b", budget_bytes=1 << 30)
+
+
+def test_a_published_checkpoint_is_pulled_whole_and_checked_into_a_new_node(
+    tmp_path: Path, bucket: Bucket
+) -> None:
+    pages = _pages()
+    entry, loc = _published(tmp_path, bucket, pages)
+    keys = sorted(o.key for o in bucket.list_objects("rekindle/"))
+    assert keys == [
+        "rekindle/team-a/first-1a2b/data/images/core-1.img",
+        "rekindle/team-a/first-1a2b/data/images/empty.img",
+        "rekindle/team-a/first-1a2b/data/images/pages-1.img",
+        "rekindle/team-a/first-1a2b/data/shm/psm_1",
+        "rekindle/team-a/first-1a2b/manifest.json",
+    ]
+
+    node_b = _node_b(tmp_path)
+    ranges: list[int] = []
+    got = node_b.get_from_store(loc, KEY, 4, ranges.append)
+    assert got.copied is True and got.entry == entry.entry
+    # Every byte came by ranges of at most PART_BYTES: the big file in 5, the rest 1 each.
+    assert sum(ranges) == entry.bytes and max(ranges) == PART_BYTES
+    assert len(ranges) == 5 + 2  # (core and psm_1; the empty file needs no range)
+    pulled = got.path / "images" / "pages-1.img"
+    assert pulled.read_bytes() == pages
+    # The two ranges of zeroes were never written: they are a hole.
+    assert pulled.stat().st_blocks * 512 <= PAGES_SIZE - (ZERO_SPAN[1] - ZERO_SPAN[0]) + (1 << 20)
+    assert (got.path / "images" / "empty.img").read_bytes() == b""
+    assert (got.path / MANIFEST_NAME).read_bytes() == (entry.path / MANIFEST_NAME).read_bytes()
+    assert not list(node_b.pulls.iterdir())
+    # Cached now: the next replica on node B reads nothing from the store.
+    again: list[int] = []
+    assert node_b.get_from_store(loc, KEY, 4, again.append).copied is False and not again
+
+
+def test_a_changed_object_is_refused_and_nothing_of_it_is_kept(
+    tmp_path: Path, bucket: Bucket
+) -> None:
+    pages = _pages()
+    _entry, loc = _published(tmp_path, bucket, pages)
+    node_b = _node_b(tmp_path)
+    # Whoever holds the store's credentials rewrites one byte of the big file.
+    evil = bytearray(pages)
+    evil[PAGES_SIZE - 7] ^= 0xFF
+    bucket.put(loc.data_key("images/pages-1.img"), bytes(evil))
+    with pytest.raises(CopyError, match=r"images/pages-1\.img: blake3 digest does not match") as e:
+        node_b.get_from_store(loc, KEY, 4)
+    assert e.value.reason == "checksum_mismatch"
+    assert node_b.names() == [] and not list(node_b.pulls.iterdir())
+    # A truncated object: refused by its length, before any digest.
+    bucket.put(loc.data_key("images/pages-1.img"), pages[: PART_BYTES + 5])
+    with pytest.raises(CopyError, match="shorter than the manifest says"):
+        node_b.get_from_store(loc, KEY, 4)
+    assert node_b.names() == []
+
+
+def test_a_checkpoint_signed_by_another_fleet_is_refused_before_any_data(
+    tmp_path: Path, bucket: Bucket
+) -> None:
+    _entry, loc = _published(tmp_path, bucket, b"small pages")
+    node_b = _node_b(tmp_path)
+    ranges: list[int] = []
+    with pytest.raises(CopyError, match="signed with another key") as e:
+        node_b.get_from_store(loc, b"x" * 32, 4, ranges.append)
+    assert e.value.reason == "signature_invalid" and ranges == []
+
+
+def test_a_checkpoint_is_published_once_and_deleted_manifest_first(
+    tmp_path: Path, bucket: Bucket
+) -> None:
+    entry, loc = _published(tmp_path, bucket, b"small pages")
+    with pytest.raises(CopyError, match="published there already") as e:
+        object_copy.publish(entry.path, loc)
+    assert e.value.reason == "exists"
+    assert object_copy.delete(loc) == 5
+    assert list(bucket.list_objects(loc.prefix)) == []
+    with pytest.raises(CopyError, match="not in the object store") as gone:
+        _node_b(tmp_path).get_from_store(loc, KEY)
+    assert gone.value.reason == "no_checkpoint"
+
+
+def test_a_pull_cut_when_the_store_goes_away_resumes_where_it_stopped(
+    tmp_path: Path, bucket: Bucket, seaweedfs: SeaweedFS
+) -> None:
+    pages = _pages()
+    entry, loc = _published(tmp_path, bucket, pages)
+    node_b = _node_b(tmp_path)
+    first: list[int] = []
+
+    def cut(n: int) -> None:
+        first.append(n)
+        if len(first) == 2:  # two ranges of the big file are in and checked
+            seaweedfs.stop()
+
+    try:
+        with pytest.raises(CopyError, match="the object store did not answer") as e:
+            node_b.get_from_store(loc, KEY, 1, cut)
+        assert e.value.reason == "store_unreachable"
+    finally:
+        seaweedfs.start()
+    assert node_b.names() == []
+    (staged,) = node_b.pulls.iterdir()  # what was checked stays for the next try
+    assert (staged / object_copy.JOURNAL).is_file()
+
+    second: list[int] = []
+    got = node_b.get_from_store(loc, KEY, 4, second.append)
+    assert (got.path / "images" / "pages-1.img").read_bytes() == pages
+    # The resumed pull fetched only what the first had not checked.
+    assert sum(first) + sum(second) == entry.bytes, (first, second)
+    assert sum(first) >= 2 * PART_BYTES
+    assert not list(node_b.pulls.iterdir())
+
+
+def test_an_unreachable_store_says_so(tmp_path: Path) -> None:
+    dead = Bucket(f"http://127.0.0.1:{_closed_port()}", "b", Credentials("a", "b"), timeout=2)
+    loc = StoreLocation.of(dead, "rekindle", "team-a", f"/checkpoints/{uuid.uuid4().hex}")
+    with pytest.raises(CopyError, match="did not answer") as e:
+        _node_b(tmp_path).get_from_store(loc, KEY)
+    assert e.value.reason == "store_unreachable"
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

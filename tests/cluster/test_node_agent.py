@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from tests.cluster import object_store
 from tests.cluster.cluster_tools import (
     REPO,
     create_namespace,
@@ -52,6 +53,7 @@ from tests.cluster.operator_fixtures import (
     wait_status,
     wind_down,
 )
+from tests.cluster.object_store import ObjectStore
 
 pytestmark = pytest.mark.cluster
 
@@ -138,10 +140,20 @@ def _namespace(pss: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def node_agent(cluster: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The chart's node-agent DaemonSet, alone (no operator), in a privileged namespace."""
+def s3(cluster: dict[str, str]) -> Iterator[ObjectStore]:
+    """The cluster's S3-compatible object store (SeaweedFS), for the node agents."""
+    yield from object_store.deploy()
+
+
+@pytest.fixture(scope="module")
+def node_agent(
+    cluster: dict[str, str], s3: ObjectStore, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """The chart's node-agent DaemonSet, alone (no operator), in a privileged namespace,
+    with the object store's credentials in a Secret there."""
     require_runtime_image()
     ns = _namespace("privileged")
+    kubectl("apply", "-f", "-", input=json.dumps(s3.secret_manifest("s3-credentials", ns)))
     state = f"/var/lib/rekindle-cluster/node-agent-{uuid.uuid4().hex[:8]}"
     rendered = helm(
         "template",
@@ -165,6 +177,12 @@ def node_agent(cluster: dict[str, str], tmp_path_factory: pytest.TempPathFactory
         f"nodeAgent.containerdTasks={CONTAINERD_TASKS}",
         "--set",
         f"nodeAgent.kubeletRoot={KUBELET_ROOT}",
+        "--set",
+        f"nodeAgent.objectStore.endpoint={s3.endpoint}",
+        "--set",
+        f"nodeAgent.objectStore.bucket={object_store.BUCKET}",
+        "--set",
+        "nodeAgent.objectStore.credentialsSecret=s3-credentials",
     ).stdout
     kubectl("apply", "-n", ns, "-f", "-", input=rendered)
     try:
@@ -330,7 +348,7 @@ def tenant(node_agent: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         kubectl("delete", "namespace", ns, "--wait=false", check=False)
 
 
-def _ready(ns: str, origin: str) -> dict[str, Any]:
+def _ready(ns: str, origin: str, name: str = NAME) -> dict[str, Any]:
     """The service Ready with one replica, which came up by origin (restored, booted)."""
 
     def ok(o: dict[str, Any]) -> bool:
@@ -339,9 +357,9 @@ def _ready(ns: str, origin: str) -> dict[str, Any]:
         if not (st.get("phase") == "Ready" and len(pods) == 1 and pods[0].get("ready") is True):
             return False
         # A status written before the last scale-down may still name a pod now gone.
-        return pods[0].get("name") in {p["metadata"]["name"] for p in pods_of(NAME, ns)}
+        return pods[0].get("name") in {p["metadata"]["name"] for p in pods_of(name, ns)}
 
-    obj = wait_status("rkis", NAME, ns, "1 replica Ready", ok, 600)
+    obj = wait_status("rkis", name, ns, "1 replica Ready", ok, 600)
     pod = obj["status"]["pods"][0]
     assert pod.get("origin") == origin, pod
     return obj
@@ -393,12 +411,12 @@ def _cleanup_running(ns: str) -> bool:
     return any(p["status"].get("phase") in ("Pending", "Running") for p in pods["items"])
 
 
-def _restart(ns: str, origin: str) -> dict[str, Any]:
+def _restart(ns: str, origin: str, name: str = NAME) -> dict[str, Any]:
     """Scale to zero and back to one; the new replica Ready with origin."""
-    kubectl("scale", f"rkis/{NAME}", "-n", ns, "--replicas=0")
-    wait_until("no pods left", lambda: not pods_of(NAME, ns), 180)
-    kubectl("scale", f"rkis/{NAME}", "-n", ns, "--replicas=1")
-    return _ready(ns, origin)
+    kubectl("scale", f"rkis/{name}", "-n", ns, "--replicas=0")
+    wait_until("no pods left", lambda: not pods_of(name, ns), 180)
+    kubectl("scale", f"rkis/{name}", "-n", ns, "--replicas=1")
+    return _ready(ns, origin, name)
 
 
 def _evict(node_agent: str) -> None:
@@ -530,6 +548,76 @@ def test_a_node_mode_service_boots_checkpoints_and_restores_unprivileged(
     copy.with_name(copy.name + ".away").rename(copy)
     kubectl("delete", "rkcp", "first", "-n", ns, "--timeout=120s")
     wait_until("the cleanup Job to remove the published copy", lambda: not copy.exists(), 180)
+
+
+def test_a_checkpoint_travels_through_the_object_store_checked_on_the_way_back(
+    tenant: str, node_agent: str, s3: ObjectStore
+) -> None:
+    """What a node that never saw a checkpoint does: pull it from the object store,
+    verify every byte against the fleet's signature, restore. The node's cache is
+    emptied to be that node (a second node is the same code on another machine). A
+    changed or cut object is refused at the store level (tests/store); here, the whole
+    store gone: the replica boots and says why."""
+    ns, name = tenant, "tiny-s3"
+    doc = isvc_manifest(name, "/unused", example="tiny-cpu.yaml")
+    doc["spec"]["coldStart"]["storage"] = {"type": "node", "node": {"publish": "objectStore"}}
+    assert apply(doc, ns).returncode == 0
+    _ready(ns, "booted", name)
+    url = service_url(name, ns)
+    wait_until("the Service to accept connections", lambda: accepts(url), 60)
+    before = _completions(url)
+    (pod,) = pods_of(name, ns)
+    assert not any("s3" in v.get("name", "") or "secret" in v for v in pod["spec"]["volumes"]), (
+        "a serving pod must never mount the store's credentials"
+    )
+
+    ck = {
+        "apiVersion": "rekindle.dev/v1alpha1",
+        "kind": "Checkpoint",
+        "metadata": {"name": "to-s3"},
+        "spec": {"inferenceService": name},
+    }
+    assert apply(ck, ns).returncode == 0
+    done = wait_status(
+        "rkcp",
+        "to-s3",
+        ns,
+        "Ready or Failed",
+        lambda o: (o.get("status") or {}).get("phase") in ("Ready", "Failed"),
+        600,
+    )
+    assert done["status"]["phase"] == "Ready", done["status"]
+    bucket = s3.bucket()
+    prefix = f"rekindle/{ns}/{done['status']['path'].rstrip('/').rsplit('/', 1)[-1]}/"
+    keys = {o.key: o.size for o in bucket.list_objects(prefix)}
+    manifest = json.loads(bucket.get(prefix + "manifest.json"))
+    assert manifest["identity"]["namespace"] == ns and "signature" in manifest
+    assert manifest.get("verified"), "published before it was proven"
+    assert set(keys) == {prefix + "manifest.json"} | {
+        f"{prefix}data/{f['path']}" for f in manifest["files"]
+    }
+
+    # A node without it: pulled (ranged, checked), restored, the same answers.
+    _evict(node_agent)
+    obj = _restart(ns, "restored", name)
+    (entry,) = (_state_dir(node_agent) / "cache" / "entries").iterdir()
+    record = json.loads((entry / ".entry.json").read_bytes())
+    assert record["source"] == f"{s3.endpoint}/{object_store.BUCKET}/{prefix}", record
+    wait_until("the Service to accept connections", lambda: accepts(url), 60)
+    assert _completions(url) == before
+
+    # The store unreachable: a normal boot that says so; back, a restore again.
+    s3.scale(0)
+    try:
+        _evict(node_agent)
+        obj = _restart(ns, "booted", name)
+        reason = obj["status"]["pods"][0]["reason"]
+        assert reason.startswith("store_unreachable: "), reason
+    finally:
+        s3.scale(1)
+    _restart(ns, "restored", name)
+    wait_until("the Service to accept connections", lambda: accepts(url), 60)
+    assert _completions(url) == before
 
 
 def _state_dir(agent_ns: str) -> Path:

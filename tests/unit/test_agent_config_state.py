@@ -158,7 +158,16 @@ def test_the_checkpoint_to_restore_comes_from_the_pods_env() -> None:
         (["--model", "/m", "--node-publish"], "--node-publish needs --node-socket"),
         (["--model", "/m", "--node-store"], "--node-store needs --node-socket"),
         (
-            ["--model", "/m", "--node-socket", "/s", "--pod-uid", "u", "--node-store", "--node-publish"],
+            [
+                "--model",
+                "/m",
+                "--node-socket",
+                "/s",
+                "--pod-uid",
+                "u",
+                "--node-store",
+                "--node-publish",
+            ],
             "choose one place to publish",
         ),
     ],

@@ -34,6 +34,7 @@ from tests.cluster.cluster_tools import (
     kubectl_json,
     wait_until,
 )
+from tests.cluster.object_store import ObjectStore
 from tests.cluster.operator_fixtures import (
     RUNTIME_IMAGE,
     OperatorProcess,
@@ -53,7 +54,6 @@ from tests.cluster.operator_fixtures import (
     wait_status,
     wind_down,
 )
-from tests.cluster.object_store import ObjectStore
 
 pytestmark = pytest.mark.cluster
 

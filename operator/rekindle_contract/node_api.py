@@ -26,6 +26,9 @@ MAX_ANSWER_BYTES = 4 << 20
 #         storage), signed as it is, for other nodes' caches
 # pull    verify the checkpoint published at args.dir (a directory in the pod) into the
 #         cache as args.name: every byte checked against the node's signature as it is read
+#         (args.from "store": from the node agent's object store; args.to the same for publish)
+# unpublish  delete checkpoint args.name of the caller's namespace from the object store,
+#         and from this node's cache unless a replica maps it
 # restore CRIU-restore checkpoint args.name into the caller's pod (args.mmap, .mmap_heap,
 #         .stopped); answer: pid
 # status  the node cache's entries of the caller's namespace
@@ -41,6 +44,7 @@ OPS = (
     "mark_verified",
     "publish",
     "pull",
+    "unpublish",
     "restore",
     "mapped_failed",
     "reserve_pids",

@@ -690,6 +690,7 @@ def build_cleanup_job(
     sub_path: str = "",
     node: str = "",
     written_by_node_agent: bool = False,
+    from_store: bool = False,
 ) -> Obj:
     """A Job that deletes one checkpoint's data (deletionPolicy Delete).
 
@@ -701,6 +702,9 @@ def build_cleanup_job(
     written_by_node_agent: a copy the node agent published (owned by the pods'
     user, never immutable), in a namespace that may enforce Pod Security
     baseline: the Job runs as that user with no capability at all.
+    from_store: the data is in the node agents' object store, which this Job
+    cannot reach: it asks its node's agent (the node socket's emptyDir, as a
+    serving pod does), which deletes only this namespace's checkpoints.
     """
     if not path.startswith(CHECKPOINT_MOUNT + "/") or ".." in path.split("/"):
         raise ValueError(f"refusing to delete {path!r}: not below {CHECKPOINT_MOUNT}")
@@ -726,7 +730,17 @@ def build_cleanup_job(
         ],
         "volumes": [{**volume, "name": "checkpoints"}],
     }
-    if "hostPath" in volume and node:
+    if from_store:
+        container = pod_spec["containers"][0]
+        container["command"] = ["rekindle", "remove-checkpoint", "--from-store", path]
+        container["securityContext"] = _cleanup_security(True)
+        container["env"] = [
+            {"name": NODE_SOCKET_ENV, "value": NODE_SOCKET},
+            {"name": POD_UID_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}},
+        ]
+        container["volumeMounts"] = [{"name": NODE_SOCKET_VOLUME, "mountPath": NODE_SOCKET_DIR}]
+        pod_spec["volumes"] = [{"name": NODE_SOCKET_VOLUME, "emptyDir": {}}]
+    if "hostPath" in volume and node and not from_store:
         pod_spec["affinity"] = {
             "nodeAffinity": {
                 "requiredDuringSchedulingIgnoredDuringExecution": {

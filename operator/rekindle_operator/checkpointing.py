@@ -140,6 +140,8 @@ def _start(kube: Kube, body: Body, emit: Emit, agents: Agents) -> Status:
         "volume": b.checkpoint_volume(isvc_spec),
         "subPath": b.storage_subpath(ns, isvc_name),
         "storageType": isvc_spec.storage.type,
+        # Where the node agent publishes it once proven (objectStore: deleting it asks one).
+        "published": isvc_spec.storage.publish,
         "node": (pod.get("spec") or {}).get("nodeName", ""),
         "image": isvc_spec.image,
         "imagePullPolicy": isvc_spec.image_pull_policy,
@@ -278,7 +280,7 @@ def has_data(body: Body) -> bool:
     spec, status = body.get("spec") or {}, body.get("status") or {}
     if status.get("phase") == CKPT_RUNNING:
         return True
-    if "emptyDir" in (status.get("volume") or {}):
+    if "emptyDir" in (status.get("volume") or {}) and not _in_object_store(status):
         return False  # in a node agent's cache: evicted there by its budget, nothing to remove
     return bool(
         status.get("path")
@@ -286,6 +288,10 @@ def has_data(body: Body) -> bool:
         and status.get("image")
         and spec.get("deletionPolicy", "Delete") == "Delete"
     )
+
+
+def _in_object_store(status: Mapping[str, Any]) -> bool:
+    return status.get("published") == "objectStore"
 
 
 def delete_data(
@@ -319,7 +325,14 @@ def delete_data(
         return "nothing to delete"
     if spec.get("deletionPolicy", "Delete") == "Retain":
         return f"retained {path}"
-    users = pods_using(kube, body, unknown_too=waited_s < settings.delete_timeout_s)
+    # Replicas restored from it map the node cache's copy, never the published one:
+    # the store's copy goes at once (a node agent keeps a mapped cache entry).
+    from_store = _in_object_store(status)
+    users = (
+        []
+        if from_store
+        else pods_using(kube, body, unknown_too=waited_s < settings.delete_timeout_s)
+    )
     if users:
         raise Retry(
             f"keeping {path} while pods {', '.join(users)} use it "
@@ -340,6 +353,7 @@ def delete_data(
         sub_path=status.get("subPath", ""),
         node=status.get("node", ""),
         written_by_node_agent=status.get("storageType") == "node",
+        from_store=from_store,
     )
     try:
         kube.create_if_absent(job)
@@ -367,7 +381,7 @@ def delete_data(
                     " (the PVC goes with it)" if "persistentVolumeClaim" in status["volume"] else ""
                 ),
             )
-    emit("Normal", "CheckpointDataDeleted", f"deleting {path} (deletionPolicy Delete)")
+    emit("Normal", "CheckpointDataDeleted", f"deleting {where} (deletionPolicy Delete)")
     return f"deleting {path}"
 
 
@@ -375,6 +389,8 @@ def _data_location(status: Mapping[str, Any], path: str) -> str:
     vol = status.get("volume") or {}
     sub = status.get("subPath", "")
     rel = path.removeprefix(CHECKPOINT_MOUNT).lstrip("/")
+    if _in_object_store(status):
+        return f"checkpoint {rel} in the node agents' object store"
     if "hostPath" in vol:
         host = "/".join(p for p in (vol["hostPath"].get("path", ""), sub, rel) if p)
         return f"checkpoint data {host} on node {status.get('node') or '?'}"

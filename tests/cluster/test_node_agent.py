@@ -619,6 +619,15 @@ def test_a_checkpoint_travels_through_the_object_store_checked_on_the_way_back(
     wait_until("the Service to accept connections", lambda: accepts(url), 60)
     assert _completions(url) == before
 
+    # Deleted: a Job asks its node's agent to remove it from the store (the Job, like
+    # the serving pods, holds no store credential). The replica restored from it maps
+    # the node's cached copy, which stays while it runs.
+    kubectl("delete", "rkcp", "to-s3", "-n", ns, "--timeout=120s")
+    wait_until("the store's copy deleted", lambda: not list(bucket.list_objects(prefix)), 180)
+    assert list((_state_dir(node_agent) / "cache" / "entries").iterdir())
+    assert _completions(url) == before
+    kubectl("delete", "rkis", name, "-n", ns, "--timeout=120s")
+
 
 def _state_dir(agent_ns: str) -> Path:
     ds = kubectl_json("get", "-n", agent_ns, "daemonset/rk-rekindle-node")

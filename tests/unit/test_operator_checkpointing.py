@@ -918,3 +918,39 @@ def test_a_checkpoint_of_another_service_does_not_wait() -> None:
         {"metadata": {"name": "z"}, "spec": {"inferenceService": "tiny"}},
     )
     assert ahead == ""
+
+
+def test_a_checkpoint_in_the_object_store_is_deleted_through_a_node_agent() -> None:
+    """A node-mode checkpoint published to the object store: deleting it starts a Job
+    that asks its node's agent (the pod holds no store credential), at once, even while
+    replicas restored from it run (they map their node cache's copy, not the store's)."""
+    st = {
+        "phase": "Ready",
+        "path": f"{CHECKPOINT_MOUNT}/c1-0123",
+        "volume": {"emptyDir": {}},
+        "image": "rekindle.local/runtime-cpu:dev",
+        "storageType": "node",
+        "published": "objectStore",
+    }
+    assert cp.has_data({"spec": {}, "status": st})
+    assert not cp.has_data({"spec": {}, "status": {**st, "published": "none"}})
+    assert not cp.has_data({"spec": {"deletionPolicy": "Retain"}, "status": st})
+    kube, events = world()
+    body = new_ckpt(kube)
+    body["status"] = st
+    out = cp.delete_data(kube, body, lambda *e: events.append(e), Agents(FakeAgent()))  # type: ignore[arg-type]
+    assert out == f"deleting {st['path']}"
+    assert events[-1] == (
+        "Normal",
+        "CheckpointDataDeleted",
+        "deleting checkpoint c1-0123 in the node agents' object store (deletionPolicy Delete)",
+    )
+    (job,) = [o for (k, _, _), o in kube.objs.items() if k == "Job"]
+    pod = job["spec"]["template"]["spec"]  # type: ignore[index]
+    (c,) = pod["containers"]
+    assert c["command"] == ["rekindle", "remove-checkpoint", "--from-store", st["path"]]
+    assert pod["volumes"] == [{"name": "rekindle-node", "emptyDir": {}}]
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert c["securityContext"]["runAsNonRoot"] is True
+    assert {e["name"] for e in c["env"]} == {"REKINDLE_NODE_SOCKET", "REKINDLE_POD_UID"}
+    assert "affinity" not in pod

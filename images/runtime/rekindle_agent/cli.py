@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import signal
 import sys
 import threading
@@ -64,7 +65,14 @@ def run_agent(ns: argparse.Namespace) -> int:
 
 
 def remove_checkpoint(ns: argparse.Namespace) -> int:
-    """The cleanup Job's command: the pages images are immutable, so rm -rf cannot."""
+    """The cleanup Job's command: the pages images are immutable, so rm -rf cannot.
+
+    --from-store: the checkpoints are in the node agents' object store (this pod
+    holds no credential for it): the node agent of this Job's node deletes them,
+    for this Job's namespace only.
+    """
+    if ns.from_store:
+        return _unpublish(ns.paths)
     from rekindle_agent.mapped_files.immutable import remove_tree
 
     for path in ns.paths:
@@ -74,6 +82,30 @@ def remove_checkpoint(ns: argparse.Namespace) -> int:
             print(f"rekindle remove-checkpoint: {path}: {e}", file=sys.stderr)
             return 1
         print(f"removed {path}")
+    return 0
+
+
+def _unpublish(names: list[str]) -> int:
+    from rekindle_contract.pod import NODE_SOCKET_ENV, POD_UID_ENV
+
+    from rekindle_agent.checkpointing.criu_backend import BackendError, NodeAgent
+
+    sock, uid = os.environ.get(NODE_SOCKET_ENV), os.environ.get(POD_UID_ENV)
+    if not sock or not uid:
+        print(
+            f"rekindle remove-checkpoint --from-store: {NODE_SOCKET_ENV} and {POD_UID_ENV} "
+            "must be set (the node agent's socket volume and the pod's UID)",
+            file=sys.stderr,
+        )
+        return 2
+    node = NodeAgent(sock, uid)
+    for name in names:
+        try:
+            answer = node.unpublish(name)
+        except BackendError as e:
+            print(f"rekindle remove-checkpoint: {name}: {e}", file=sys.stderr)
+            return 1
+        print(f"removed {name} from {answer.get('where')} ({answer.get('objects')} objects)")
     return 0
 
 
@@ -93,6 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(needs CAP_LINUX_IMMUTABLE); never crosses into another file system",
     )
     rm.add_argument("paths", nargs="+", metavar="DIR")
+    rm.add_argument(
+        "--from-store",
+        action="store_true",
+        help="the checkpoints (named by their directory) are in the node agents' object "
+        "store: ask this node's agent to delete them",
+    )
     rm.set_defaults(func=remove_checkpoint)
     fetch = sub.add_parser(
         "fetch-model",

@@ -112,6 +112,7 @@ class Operations:
             "mark_verified": self.mark_verified,
             "publish": self.publish,
             "pull": self.pull,
+            "unpublish": self.unpublish,
             "restore": self.restore,
             "mapped_failed": self.mapped_failed,
             "reserve_pids": self.reserve_pids,
@@ -308,6 +309,16 @@ class Operations:
             "seconds": entry.seconds,
             "copied": entry.copied,
         }
+
+    def unpublish(self, caller: Caller, req: Request) -> dict[str, Any]:
+        """Delete the caller's namespace's checkpoint args.name from the object store, and
+        this node's cached copy unless a replica maps it (other nodes' copies go by their
+        budget; none of them is published any more, so no new node pulls it)."""
+        loc = self._store_location(caller, req)
+        removed = object_copy.delete(loc)
+        entry = self.cache.resolve(caller.container.namespace, _name_arg(req))
+        dropped = self.cache.drop(entry) if entry else False
+        return {"objects": removed, "where": str(loc), "cache_entry_removed": dropped}
 
     def _store_location(self, caller: Caller, req: Request) -> object_copy.StoreLocation:
         """Where the caller's checkpoint args.name lives in the object store: below the

@@ -284,6 +284,14 @@ class NodeCache:
             os.chmod(path / MANIFEST_NAME, 0o444)
             os.chmod(path / VERIFIED_NAME, 0o444)
 
+    def drop(self, entry: str) -> bool:
+        """Remove entry unless a replica maps it (pinned); whether it was removed."""
+        with self._lock:
+            if self.pinned_by(entry) or not (self.entries / entry).is_dir():
+                return False
+            _remove(self.entries / entry)
+            return True
+
     def set_copy_only(self, entry: str, why: str) -> None:
         """Restores of entry copy its memory from now on (a mapped restore of it failed)."""
         self.copy_only_dir.mkdir(mode=0o700, exist_ok=True)

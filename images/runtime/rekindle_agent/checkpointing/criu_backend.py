@@ -359,6 +359,10 @@ class NodeAgent(CriuBackend):
         where = answer.get("where") or ckpt
         return f"published to {where} ({answer.get('bytes')} bytes, {answer.get('seconds'):.1f} s)"
 
+    def unpublish(self, ckpt: str) -> dict[str, Any]:
+        """Have the node agent delete the published copy of ckpt from its object store."""
+        return self._call("unpublish", {"name": ckpt}, timeout=600)
+
     def reserve_pids(self, floor: int) -> None:
         try:
             self._call("reserve_pids", {"floor": floor}, timeout=30)

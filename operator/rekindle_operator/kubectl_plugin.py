@@ -247,10 +247,14 @@ def format_status(isvc: dict[str, Any], checkpoints: list[dict[str, Any]]) -> st
         why = f" ({p['reason']})" if p.get("reason") else ""
         agent = f", agent ready in {p['agentReadySeconds']}s" if "agentReadySeconds" in p else ""
         memory = f", memory {p['memory']} ({p.get('memoryReason', '')})" if p.get("memory") else ""
+        where = f" on {p['node']}" if p.get("node") else ""
+        # How it came up: boot, restore or restoreAfterPull (origin where not known).
+        how = p.get("coldStartPath") or p.get("origin")
         lines.append(
-            f"  pod {p['name']}: {p.get('origin')}{why}, ready={p.get('ready')}{agent}{memory}"
-            + page_cache_note(p.get("pageCache"))
+            f"  pod {p['name']}{where}: {how}{why}, ready={p.get('ready')}"
+            f"{agent}{memory}" + page_cache_note(p.get("pageCache"))
         )
+    lines += format_nodes(st.get("nodes") or [])
     for c in st.get("conditions") or []:
         lines.append(f"  {c['type']}={c['status']} {c.get('reason', '')}: {c.get('message', '')}")
     mine = [c for c in checkpoints if (c.get("spec") or {}).get("inferenceService") == name]
@@ -264,6 +268,22 @@ def format_status(isvc: dict[str, Any], checkpoints: list[dict[str, Any]]) -> st
                 f"{cs.get('size', '')} {cs.get('reason', '')}"
             )
     return "\n".join(lines)
+
+
+def format_nodes(nodes: list[dict[str, Any]]) -> list[str]:
+    """One line per node that runs a replica: holds the checkpoint?, resident, cold starts."""
+    if not nodes:
+        return []
+    out = ["  nodes:"]
+    for n in nodes:
+        cached = "checkpoint cached" if n.get("checkpointCached") else "checkpoint not proven here"
+        resident = f" ({n['residentPercent']:g}% resident)" if "residentPercent" in n else ""
+        cold = ", ".join(f"{k} {v}s" for k, v in sorted((n.get("coldStartSeconds") or {}).items()))
+        out.append(
+            f"    {n['name']}: {n.get('ready', 0)}/{n.get('replicas', 0)} ready, "
+            f"{cached}{resident}" + (f", slowest cold start: {cold}" if cold else "")
+        )
+    return out
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -358,6 +358,7 @@ def reconcile(
         shm_error=shm_error,
         selector=b.selector_string(spec.name),
         endpoint=f"http://{b.service_name(spec.name)}.{meta['namespace']}.svc:{SERVE_PORT}/v1",
+        checkpoint_path=_path_of(checkpoints, in_use),
     )
     new = compute_status(old, obs)
     new["observedGeneration"] = meta.get("generation", 0)
@@ -372,3 +373,11 @@ def reconcile(
     for kind, reason, message in transitions(old, new):
         emit(kind, reason, message)
     return new
+
+
+def _path_of(checkpoints: list[dict[str, Any]], name: str | None) -> str | None:
+    """The directory of Checkpoint name, as its agents report it."""
+    for c in checkpoints:
+        if name and c["metadata"]["name"] == name:
+            return (c.get("status") or {}).get("path")
+    return None

@@ -50,6 +50,22 @@ class PodBoot:
     stuck: bool = False  # Kubernetes holds the pod back (reason: pod_problem's words)
     # Its checkpoint in the node's page cache, as the agent measured it (vmtouch).
     page_cache: Mapping[str, Any] | None = None
+    node: str = ""  # the node it runs on
+    path: str = ""  # how it came up: COLD_START_PATHS, "" while not known
+
+
+# How a replica came up: booted vLLM; restored a checkpoint its node held (the node
+# cache or the pod's volume); restored after its node agent pulled the checkpoint
+# from shared storage (a PVC or the object store), verifying it on the way.
+COLD_START_PATHS = ("boot", "restore", "restoreAfterPull")
+
+
+def cold_start_path(agent: StatusReply) -> str:
+    if agent.origin == "booted":
+        return "boot"
+    if agent.origin != "restored":
+        return ""
+    return "restoreAfterPull" if "pull" in (agent.timings.get("restore") or {}) else "restore"
 
 
 def page_cache(agent: StatusReply | None) -> dict[str, Any] | None:
@@ -163,6 +179,8 @@ def pod_boot(pod: Body, agent: StatusReply | None, agent_error: str | None) -> P
         clip(memory.get("path") or "", 64),
         clip(memory.get("why") or ""),
         page_cache=page_cache(agent),
+        node=str((pod.get("spec") or {}).get("nodeName") or ""),
+        path=cold_start_path(agent),
     )
 
 
@@ -197,6 +215,48 @@ class Observed:
     shm_error: str | None
     selector: str
     endpoint: str
+    checkpoint_path: str | None = None  # that Checkpoint's directory (what agents report)
+
+
+def node_summary(pods: tuple[PodBoot, ...], checkpoint: str | None) -> list[dict[str, Any]]:
+    """Per node that runs a replica: how many, how its Ready ones came up (the slowest
+    per path: boot, restore, restoreAfterPull), and whether the node holds the current
+    checkpoint (a replica there restored from it: its node agent verified it into the
+    node's cache) and how much of it is resident.
+
+    What placement prefers and `kubectl rekindle status` prints. A node whose
+    replicas all booted may still hold it (pulled for a replica that then failed):
+    this says only what the replicas prove.
+    """
+    out = []
+    for node in sorted({p.node for p in pods if p.node}):
+        mine = [p for p in pods if p.node == node]
+        holding = [p for p in mine if p.origin == "restored" and p.checkpoint == checkpoint]
+        resident = [
+            float(p.page_cache.get("residentPercent", 0.0)) for p in holding if p.page_cache
+        ]
+        doc: dict[str, Any] = {
+            "name": node,
+            "replicas": len(mine),
+            "ready": sum(1 for p in mine if p.ready),
+            "checkpointCached": bool(checkpoint) and bool(holding),
+        }
+        if resident:
+            doc["residentPercent"] = max(resident)
+        seconds = _slowest_by_path([p for p in mine if p.ready and p.path])
+        if seconds:
+            doc["coldStartSeconds"] = seconds
+        out.append(doc)
+    return out
+
+
+def _slowest_by_path(pods: list[PodBoot]) -> dict[str, float]:
+    """Per cold-start path, the slowest of these replicas (pod creation to Ready)."""
+    out: dict[str, float] = {}
+    for p in pods:
+        if p.cold_start_seconds is not None:
+            out[p.path] = max(out.get(p.path, 0.0), round(p.cold_start_seconds, 1))
+    return out
 
 
 def compute_status(old: Body, obs: Observed) -> dict[str, Any]:
@@ -269,6 +329,8 @@ def compute_status(old: Body, obs: Observed) -> dict[str, Any]:
     for p in obs.pods:
         if p.ready and p.cold_start_seconds is not None and p.origin in ("booted", "restored"):
             last[p.origin] = round(p.cold_start_seconds, 1)
+            if p.path == "restoreAfterPull":
+                last["restoredAfterPull"] = round(p.cold_start_seconds, 1)
 
     return {
         "phase": phase,
@@ -290,9 +352,12 @@ def compute_status(old: Body, obs: Observed) -> dict[str, Any]:
                 **_seconds("agentReadySeconds", p.agent_ready_seconds),
                 **({"memory": p.memory, "memoryReason": p.memory_reason[:300]} if p.memory else {}),
                 **({"pageCache": dict(p.page_cache)} if p.page_cache else {}),
+                **({"node": p.node} if p.node else {}),
+                **({"coldStartPath": p.path} if p.path else {}),
             }
             for p in obs.pods
         ],
+        "nodes": node_summary(obs.pods, obs.checkpoint_path),
         "conditions": conds,
     }
 

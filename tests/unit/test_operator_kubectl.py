@@ -93,7 +93,26 @@ def test_format_status_mentions_boot_paths_and_stale() -> None:
                     "reason": "checksum_mismatch",
                     "ready": True,
                     "agentReadySeconds": 41.2,
+                    "node": "gpu-1",
+                    "coldStartPath": "boot",
                 }
+            ],
+            "nodes": [
+                {
+                    "name": "gpu-1",
+                    "replicas": 1,
+                    "ready": 1,
+                    "checkpointCached": False,
+                    "coldStartSeconds": {"boot": 40.0},
+                },
+                {
+                    "name": "gpu-2",
+                    "replicas": 1,
+                    "ready": 1,
+                    "checkpointCached": True,
+                    "residentPercent": 88.5,
+                    "coldStartSeconds": {"restoreAfterPull": 6.2},
+                },
             ],
             "lastColdStartSeconds": {"booted": 40.0, "restored": 3.1},
         },
@@ -106,7 +125,12 @@ def test_format_status_mentions_boot_paths_and_stale() -> None:
         }
     ]
     text = format_status(isvc, ck)
-    assert "booted (checksum_mismatch)" in text
+    assert "pod tiny-a on gpu-1: boot (checksum_mismatch)" in text
+    assert "gpu-1: 1/1 ready, checkpoint not proven here, slowest cold start: boot 40.0s" in text
+    assert (
+        "gpu-2: 1/1 ready, checkpoint cached (88.5% resident), slowest cold start: "
+        "restoreAfterPull 6.2s"
+    ) in text
     assert "c1: Ready STALE" in text
     assert "restored 3.1s" in text
     assert "agent ready in 41.2s" in text

@@ -17,6 +17,7 @@ from rekindle_operator.status import (
 
 def obs(
     replicas: int = 1,
+    checkpoint_path: str | None = None,
     ready: int = 1,
     dep_replicas: int = 1,
     pods: tuple[PodBoot, ...] = (),
@@ -34,6 +35,7 @@ def obs(
         shm_error=shm_error,
         selector="rekindle.dev/inferenceservice=tiny",
         endpoint="http://tiny.ns.svc:8000/v1",
+        checkpoint_path=checkpoint_path,
     )
 
 
@@ -130,6 +132,69 @@ def test_pod_boot_from_agent_reply() -> None:
         p, StatusReply.from_json({"state": "Restoring", "message": "prefetching"}), None
     )
     assert booting.origin == "unknown" and booting.reason == "agent is Restoring: prefetching"
+
+
+def test_the_cold_start_path_says_whether_the_node_pulled_the_checkpoint_first() -> None:
+    pod = {"metadata": {"name": "p"}, "spec": {"nodeName": "gpu-7"}, "status": {}}
+
+    def path(reply: dict[str, Any]) -> tuple[str, str]:
+        boot = pod_boot(pod, StatusReply.from_json({"state": "Ready", **reply}), None)
+        return boot.node, boot.path
+
+    pulled = {"restore": {"pull": 3.2, "criu_restore": 1.0}}
+    assert path({"origin": "restored", "timings": pulled}) == ("gpu-7", "restoreAfterPull")
+    assert path({"origin": "restored", "timings": {"restore": {"criu_restore": 1.0}}}) == (
+        "gpu-7",
+        "restore",
+    )
+    assert path({"origin": "booted"}) == ("gpu-7", "boot")
+    assert pod_boot(pod, None, "refused").path == ""
+
+
+def test_per_node_status_says_where_the_checkpoint_is_and_how_replicas_came_up() -> None:
+    ck = "/var/lib/rekindle/checkpoints/c1-0123"
+    warm = {"residentPercent": 97.5, "residentBytes": 1, "bytes": 1}
+    pods = (
+        PodBoot("a", True, "restored", "", ck, 4.0, page_cache=warm, node="n1", path="restore"),
+        PodBoot("b", True, "restored", "", ck, 9.0, node="n2", path="restoreAfterPull"),
+        PodBoot("c", True, "booted", "store_unreachable: x", None, 41.0, node="n3", path="boot"),
+        PodBoot("d", False, "unknown", "agent is Restoring", None, None, node="n1"),
+        PodBoot("e", True, "restored", "", "/old/c0", 5.0, node="n3", path="restore"),
+    )
+    st = compute_status({}, obs(pods=pods, checkpoint="c1", checkpoint_path=ck, dep_replicas=5))
+    assert st["nodes"] == [
+        {
+            "name": "n1",
+            "replicas": 2,
+            "ready": 1,
+            "checkpointCached": True,
+            "residentPercent": 97.5,
+            "coldStartSeconds": {"restore": 4.0},
+        },
+        {
+            "name": "n2",
+            "replicas": 1,
+            "ready": 1,
+            "checkpointCached": True,
+            "coldStartSeconds": {"restoreAfterPull": 9.0},
+        },
+        # Restored from an older checkpoint: the current one is not proven there.
+        {
+            "name": "n3",
+            "replicas": 2,
+            "ready": 2,
+            "checkpointCached": False,
+            "coldStartSeconds": {"boot": 41.0, "restore": 5.0},
+        },
+    ]
+    assert st["lastColdStartSeconds"]["restoredAfterPull"] == 9.0
+    assert [p.get("coldStartPath") for p in st["pods"]] == [
+        "restore",
+        "restoreAfterPull",
+        "boot",
+        None,
+        "restore",
+    ]
 
 
 def test_agent_ready_seconds_recorded_on_the_pod_win() -> None:

@@ -71,8 +71,8 @@ test-vllm: preflight-vllm env ## real vLLM CPU server: agent and weight reloader
 test-cluster: preflight-cluster env cluster-up images ## the real local cluster: node, operator, chart
 	$(PYTEST) -m cluster
 
-cluster-up: ## start the embedded local Kubernetes node (idempotent)
-	scripts/local-cluster up
+cluster-up: ## start the embedded local Kubernetes cluster, two nodes (idempotent)
+	scripts/local-cluster up --nodes 2
 
 cluster-down: ## stop it (only what cluster-up started)
 	scripts/local-cluster down

@@ -131,15 +131,45 @@ def pod_requests(pod: dict[str, Any]) -> tuple[float, int]:
     return cpu, mem
 
 
+# scripts/local-cluster's nodes: the first takes every pod; the second (up --nodes 2,
+# what `make test-cluster` starts) is tainted, so only pods that tolerate it go there.
+NODE1 = "rekindle-node"
+NODE2 = "rekindle-node-2"
+NODE2_TAINT = "rekindle.dev/node"
+NODE2_TOLERATION = {"key": NODE2_TAINT, "operator": "Exists", "effect": "NoSchedule"}
+# Host paths each node has its own of (NODE2's directory is bound over NODE_LOCAL in its
+# mount namespace): a node agent's state directory goes below here.
+NODE_LOCAL = "/var/lib/rekindle-cluster/node-local"
+NODE2_LOCAL = "/var/lib/rekindle-cluster/nodes/2/node-local"
+
+
+def node_local_path(path: str, node: str) -> str:
+    """Where a node's NODE_LOCAL path is on this machine."""
+    if node == NODE2 and path.startswith(NODE_LOCAL + "/"):
+        return NODE2_LOCAL + path[len(NODE_LOCAL) :]
+    return path
+
+
+def require_second_node() -> None:
+    names = {n["metadata"]["name"] for n in kubectl_json("get", "nodes")["items"]}
+    if NODE2 not in names:
+        raise AssertionError(
+            f"the cluster has no node {NODE2}: `scripts/local-cluster up --nodes 2` "
+            "(make test-cluster starts it so)"
+        )
+
+
 def node_room() -> tuple[float, int, list[str]]:
-    """Free CPU and memory on the node (allocatable minus what running pods request),
-    and which pods hold what (to say what occupies it)."""
-    node = kubectl_json("get", "nodes")["items"][0]
+    """Free CPU and memory on the first node (allocatable minus what its running pods
+    request), and which pods hold what (to say what occupies it)."""
+    node = kubectl_json("get", "node", NODE1)
     alloc = node["status"]["allocatable"]
     cpu, mem = quantity(alloc["cpu"]), int(quantity(alloc["memory"]))
     holders = []
     for pod in kubectl_json("get", "pods", "-A")["items"]:
         if pod["status"].get("phase") in ("Succeeded", "Failed"):
+            continue
+        if pod["spec"].get("nodeName") not in (None, NODE1):
             continue
         c, m = pod_requests(pod)
         if c or m:

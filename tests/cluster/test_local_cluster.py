@@ -10,7 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.cluster_tools import helm, kubectl, kubectl_json, wait_until
+from tests.cluster.cluster_tools import (
+    NODE1,
+    NODE2,
+    NODE2_TAINT,
+    NODE2_TOLERATION,
+    helm,
+    kubectl,
+    kubectl_json,
+    require_second_node,
+    wait_until,
+)
 
 pytestmark = pytest.mark.cluster
 CHART = Path(__file__).parent / "charts" / "hello"
@@ -54,12 +64,82 @@ def shm_kib(namespace: str, pod: str) -> int:
     return int(out.splitlines()[-1].split()[1])
 
 
-def test_node_is_ready(cluster: dict[str, str]) -> None:
-    nodes = kubectl_json("get", "nodes")["items"]
-    assert len(nodes) == 1
-    ready = {c["type"]: c["status"] for c in nodes[0]["status"]["conditions"]}["Ready"]
-    assert ready == "True"
-    assert nodes[0]["status"]["nodeInfo"]["kubeletVersion"] == "v1.35.4"
+def test_both_nodes_are_ready_and_only_the_second_is_tainted(cluster: dict[str, str]) -> None:
+    nodes = {n["metadata"]["name"]: n for n in kubectl_json("get", "nodes")["items"]}
+    assert set(nodes) == {NODE1, NODE2}
+    for n in nodes.values():
+        ready = {c["type"]: c["status"] for c in n["status"]["conditions"]}["Ready"]
+        assert ready == "True"
+        assert n["status"]["nodeInfo"]["kubeletVersion"] == "v1.35.4"
+    assert "taints" not in nodes[NODE1]["spec"]
+    assert nodes[NODE2]["spec"]["taints"] == [
+        {"key": NODE2_TAINT, "value": "second", "effect": "NoSchedule"}
+    ]
+    address = {
+        name: next(a["address"] for a in n["status"]["addresses"] if a["type"] == "InternalIP")
+        for name, n in nodes.items()
+    }
+    assert address[NODE2] == "10.245.0.2" and address[NODE1] != address[NODE2]
+
+
+def test_pods_on_the_two_nodes_reach_each_other_directly_and_by_service(
+    namespace: str, smoke_image: str
+) -> None:
+    """The second node's pod network is routed to the first's (and back through
+    Services, which its own kube-proxy masquerades); logs and exec reach its kubelet."""
+    require_second_node()
+    for name, node in (("one", NODE1), ("two", NODE2)):
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "namespace": namespace, "labels": {"app": name}},
+            "spec": {
+                "nodeSelector": {"kubernetes.io/hostname": node},
+                "tolerations": [NODE2_TOLERATION],
+                "containers": [
+                    {
+                        "name": "web",
+                        "image": smoke_image,
+                        "imagePullPolicy": "Never",
+                        "command": ["sh", "-c", "hostname > /tmp/id; httpd -f -p 8080 -h /tmp"],
+                    }
+                ],
+            },
+        }
+        svc = {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": {"selector": {"app": name}, "ports": [{"port": 80, "targetPort": 8080}]},
+        }
+        for obj in (pod, svc):
+            kubectl("apply", "-f", "-", input=json.dumps(obj))
+    kubectl("wait", "-n", namespace, "--for=condition=Ready", "pod/one", "pod/two", "--timeout=60s")
+    ip = {
+        p["metadata"]["name"]: p["status"]["podIP"]
+        for p in kubectl_json("get", "pods", "-n", namespace)["items"]
+    }
+    svc_ip = {
+        n: kubectl_json("get", "service", "-n", namespace, n)["spec"]["clusterIP"]
+        for n in ("one", "two")
+    }
+    assert ip["two"].startswith("10.244.1.") and ip["one"].startswith("10.244.0.")
+
+    def fetch(client: str, host: str, port: int) -> str:
+        """GET /id from host:port, in pod client (busybox nc): the body's last line."""
+        get = f"printf 'GET /id HTTP/1.0\\r\\n\\r\\n' | nc -w 3 {host} {port}"
+        r = kubectl("exec", "-n", namespace, client, "--", "sh", "-c", get, check=False)
+        return r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
+
+    for client, server in (("one", "two"), ("two", "one")):
+        assert fetch(client, ip[server], 8080) == server
+        # kube-proxy programs a new Service's rules a moment after its endpoints appear.
+        wait_until(
+            f"{client} to reach {server}'s Service",
+            lambda c=client, s=server: fetch(c, svc_ip[s], 80) == s,
+            60,
+        )
+    assert kubectl("logs", "-n", namespace, "two").returncode == 0
 
 
 def test_crd_roundtrip(namespace: str) -> None:
@@ -263,7 +343,15 @@ def test_pods_reach_the_apiserver_and_nothing_else(namespace: str, smoke_image: 
     )
     out = kubectl("logs", "-n", namespace, "probe").stdout.splitlines()
     assert out[0] == "api-ok"
-    node = kubectl_json("get", "nodes")["items"][0]
+    node = kubectl_json("get", "node", NODE1)
     node_ip = next(a["address"] for a in node["status"]["addresses"] if a["type"] == "InternalIP")
     destinations = {line.split()[0] for line in out[1:]}
-    assert destinations == {"10.96.0.0/16", "10.244.0.0/24", node_ip}
+    # Services, its own node's pods (on link), every node's pods, the machine, and the
+    # link to the second node: no default route.
+    assert destinations == {
+        "10.96.0.0/16",
+        "10.244.0.0/24",
+        "10.244.0.0/16",
+        node_ip,
+        "10.245.0.0/30",
+    }

@@ -27,11 +27,17 @@ import pytest
 
 from tests.cluster import object_store
 from tests.cluster.cluster_tools import (
+    NODE1,
+    NODE2,
+    NODE2_TOLERATION,
+    NODE_LOCAL,
     REPO,
     create_namespace,
     helm,
     kubectl,
     kubectl_json,
+    node_local_path,
+    require_second_node,
     wait_until,
 )
 from tests.cluster.object_store import ObjectStore
@@ -154,7 +160,8 @@ def node_agent(
     require_runtime_image()
     ns = _namespace("privileged")
     kubectl("apply", "-f", "-", input=json.dumps(s3.secret_manifest("s3-credentials", ns)))
-    state = f"/var/lib/rekindle-cluster/node-agent-{uuid.uuid4().hex[:8]}"
+    # Node-private on each node (the second node binds its own directory over NODE_LOCAL).
+    state = f"{NODE_LOCAL}/node-agent-{uuid.uuid4().hex[:8]}"
     rendered = helm(
         "template",
         "rk",
@@ -183,6 +190,8 @@ def node_agent(
         f"nodeAgent.objectStore.bucket={object_store.BUCKET}",
         "--set",
         "nodeAgent.objectStore.credentialsSecret=s3-credentials",
+        "--set-json",
+        f"nodeAgent.tolerations=[{json.dumps(NODE2_TOLERATION)}]",
     ).stdout
     kubectl("apply", "-n", ns, "-f", "-", input=rendered)
     try:
@@ -193,8 +202,9 @@ def node_agent(
             kubectl("logs", "-n", ns, "daemonset/rk-rekindle-node", "--tail=40", check=False).stdout
         )
         kubectl("delete", "namespace", ns, "--wait=true", "--timeout=120s", check=False)
-        # The node's state (root-only cache and key) was a hostPath: remove it.
-        shutil.rmtree(state, ignore_errors=True)
+        # Each node's state (its root-only cache) was a hostPath: remove it.
+        for node in (NODE1, NODE2):
+            shutil.rmtree(node_local_path(state, node), ignore_errors=True)
 
 
 def _serving_pod(name: str) -> str:
@@ -289,11 +299,25 @@ def test_a_privileged_pod_is_refused_in_a_baseline_namespace(node_agent: str) ->
 
 
 def test_state_dir_is_root_only(node_agent: str) -> None:
-    """The verified cache and the node key: root-only on the node."""
+    """The verified cache: root-only on the node. The key it signs with is the fleet's
+    (a Secret only the node agents mount, read-only, 0400), not one of its own."""
     state = _state_dir(node_agent)
     wait_until("the node agent's state", lambda: (state / "cache").is_dir(), 60)
     assert state.stat().st_mode & 0o777 == 0o700
-    assert (state / "node-signing-key").stat().st_mode & 0o777 == 0o400
+    assert not (state / "node-signing-key").exists()
+    mode = kubectl(
+        "exec",
+        "-n",
+        node_agent,
+        "daemonset/rk-rekindle-node",
+        "--",
+        "stat",
+        "-L",
+        "-c",
+        "%a %U",
+        "/etc/rekindle-node/signing-key/key",
+    ).stdout.split()
+    assert mode == ["400", "root"]
 
 
 # -- An InferenceService with spec.coldStart.storage.type node ------------------------
@@ -419,10 +443,15 @@ def _restart(ns: str, origin: str, name: str = NAME) -> dict[str, Any]:
     return _ready(ns, origin, name)
 
 
-def _evict(node_agent: str) -> None:
+def _evict(node_agent: str, node: str = NODE1) -> None:
     """What the node cache's budget does to an entry no replica pins (or a reboot)."""
-    for entry in (_state_dir(node_agent) / "cache" / "entries").iterdir():
+    for entry in _entries(node_agent, node):
         shutil.rmtree(entry)
+
+
+def _entries(node_agent: str, node: str = NODE1) -> list[Path]:
+    """The checkpoints in that node's verified cache."""
+    return list((_state_dir(node_agent, node) / "cache" / "entries").iterdir())
 
 
 def test_a_node_mode_service_boots_checkpoints_and_restores_unprivileged(
@@ -550,23 +579,31 @@ def test_a_node_mode_service_boots_checkpoints_and_restores_unprivileged(
     wait_until("the cleanup Job to remove the published copy", lambda: not copy.exists(), 180)
 
 
-def test_a_checkpoint_travels_through_the_object_store_checked_on_the_way_back(
+def test_a_checkpoint_made_on_one_node_restores_on_another_through_the_object_store(
     tenant: str, node_agent: str, s3: ObjectStore
 ) -> None:
-    """What a node that never saw a checkpoint does: pull it from the object store,
-    verify every byte against the fleet's signature, restore. The node's cache is
-    emptied to be that node (a second node is the same code on another machine). A
-    changed or cut object is refused at the store level (tests/store); here, the whole
-    store gone: the replica boots and says why."""
+    """The fleet case: a checkpoint made on the first node, a replica on the second
+    (a node that never saw it) pulls it from the object store, every byte checked
+    against the fleet's signature, and restores with the same answers. A changed or
+    cut object is refused at the store level (tests/store); here, the whole store gone:
+    the replica boots and says why."""
+    require_second_node()
     ns, name = tenant, "tiny-s3"
     doc = isvc_manifest(name, "/unused", example="tiny-cpu.yaml")
     doc["spec"]["coldStart"]["storage"] = {"type": "node", "node": {"publish": "objectStore"}}
-    assert apply(doc, ns).returncode == 0
-    _ready(ns, "booted", name)
+    # May run on either node (the second is tainted); pinned by cordoning below.
+    doc["spec"]["podTemplate"] = {"spec": {"tolerations": [NODE2_TOLERATION]}}
+    kubectl("cordon", NODE2)
+    try:
+        assert apply(doc, ns).returncode == 0
+        _ready(ns, "booted", name)
+    finally:
+        kubectl("uncordon", NODE2)
     url = service_url(name, ns)
     wait_until("the Service to accept connections", lambda: accepts(url), 60)
     before = _completions(url)
     (pod,) = pods_of(name, ns)
+    assert pod["spec"]["nodeName"] == NODE1
     assert not any("s3" in v.get("name", "") or "secret" in v for v in pod["spec"]["volumes"]), (
         "a serving pod must never mount the store's credentials"
     )
@@ -587,49 +624,70 @@ def test_a_checkpoint_travels_through_the_object_store_checked_on_the_way_back(
         600,
     )
     assert done["status"]["phase"] == "Ready", done["status"]
+    assert done["status"]["node"] == NODE1
     bucket = s3.bucket()
     prefix = f"rekindle/{ns}/{done['status']['path'].rstrip('/').rsplit('/', 1)[-1]}/"
     keys = {o.key: o.size for o in bucket.list_objects(prefix)}
     manifest = json.loads(bucket.get(prefix + "manifest.json"))
     assert manifest["identity"]["namespace"] == ns and "signature" in manifest
+    assert manifest["identity"]["node"] == NODE1
     assert manifest.get("verified"), "published before it was proven"
     assert set(keys) == {prefix + "manifest.json"} | {
         f"{prefix}data/{f['path']}" for f in manifest["files"]
     }
+    assert _entries(node_agent, NODE2) == []
 
-    # A node without it: pulled (ranged, checked), restored, the same answers.
-    _evict(node_agent)
-    obj = _restart(ns, "restored", name)
-    (entry,) = (_state_dir(node_agent) / "cache" / "entries").iterdir()
-    record = json.loads((entry / ".entry.json").read_bytes())
-    assert record["source"] == f"{s3.endpoint}/{object_store.BUCKET}/{prefix}", record
-    wait_until("the Service to accept connections", lambda: accepts(url), 60)
-    assert _completions(url) == before
-
-    # The store unreachable: a normal boot that says so; back, a restore again.
-    s3.scale(0)
+    # The next replica on the second node: pulled, checked, restored, the same answers.
+    kubectl("cordon", NODE1)
     try:
-        _evict(node_agent)
-        obj = _restart(ns, "booted", name)
-        reason = obj["status"]["pods"][0]["reason"]
-        assert reason.startswith("store_unreachable: "), reason
-    finally:
-        s3.scale(1)
-    _restart(ns, "restored", name)
-    wait_until("the Service to accept connections", lambda: accepts(url), 60)
-    assert _completions(url) == before
+        obj = _restart(ns, "restored", name)
+        pod_status = obj["status"]["pods"][0]
+        assert (pod_status["node"], pod_status["coldStartPath"]) == (NODE2, "restoreAfterPull")
+        assert obj["status"]["nodes"] == [
+            {
+                "name": NODE2,
+                "replicas": 1,
+                "ready": 1,
+                "checkpointCached": True,
+                **(
+                    {"residentPercent": pod_status["pageCache"]["residentPercent"]}
+                    if "pageCache" in pod_status
+                    else {}
+                ),
+                "coldStartSeconds": {"restoreAfterPull": pod_status["coldStartSeconds"]},
+            }
+        ]
+        (entry,) = _entries(node_agent, NODE2)
+        record = json.loads((entry / ".entry.json").read_bytes())
+        assert record["source"] == f"{s3.endpoint}/{object_store.BUCKET}/{prefix}", record
+        wait_until("the Service to accept connections", lambda: accepts(url), 60)
+        assert _completions(url) == before
 
-    # Deleted: a Job asks its node's agent to remove it from the store (the Job, like
-    # the serving pods, holds no store credential). The replica restored from it maps
-    # the node's cached copy, which stays while it runs.
+        # The store unreachable, the second node's cache emptied: a normal boot that says so.
+        s3.scale(0)
+        try:
+            _evict(node_agent, NODE2)
+            obj = _restart(ns, "booted", name)
+            reason = obj["status"]["pods"][0]["reason"]
+            assert reason.startswith("store_unreachable: "), reason
+            assert obj["status"]["pods"][0]["node"] == NODE2
+        finally:
+            s3.scale(1)
+    finally:
+        kubectl("uncordon", NODE1)
+
+    # Deleted: a Job asks its node's agent (the first node's: the Job does not tolerate
+    # the second) to remove it from the store, the Job holding no store credential, like
+    # the serving pods; that node's cached copy goes too, as no replica there maps it.
     kubectl("delete", "rkcp", "to-s3", "-n", ns, "--timeout=120s")
     wait_until("the store's copy deleted", lambda: not list(bucket.list_objects(prefix)), 180)
-    assert list((_state_dir(node_agent) / "cache" / "entries").iterdir())
-    assert _completions(url) == before
+    wait_until("the first node's copy dropped", lambda: not _entries(node_agent, NODE1), 60)
     kubectl("delete", "rkis", name, "-n", ns, "--timeout=120s")
 
 
-def _state_dir(agent_ns: str) -> Path:
+def _state_dir(agent_ns: str, node: str = NODE1) -> Path:
+    """Where that node's agent keeps its state, on this machine."""
     ds = kubectl_json("get", "-n", agent_ns, "daemonset/rk-rekindle-node")
     volumes = ds["spec"]["template"]["spec"]["volumes"]
-    return Path(next(v["hostPath"]["path"] for v in volumes if v["name"] == "state"))
+    path = next(v["hostPath"]["path"] for v in volumes if v["name"] == "state")
+    return Path(node_local_path(path, node))

@@ -54,6 +54,7 @@ MEASURED_BY: dict[str, tuple[str, ...]] = {
         "scripts/demo",
     ),
     "cluster-up": ("scripts/local-cluster", "scripts/build-kubernetes", "scripts/bench-cluster-up"),
+    "store": (_DEV + "bench_store.py", _DEV + "seaweedfs.py", "scripts/build-seaweedfs"),
 }
 
 

@@ -14,6 +14,7 @@
   rekindle-dev bench kdat ...           CRIU's restore setup with and without its kdat cache
   rekindle-dev bench density ...        memory of N vLLM replicas restored from one checkpoint
   rekindle-dev bench node-agent ...     restore through the node agent vs in the pod (cluster)
+  rekindle-dev bench store ...          object store pull vs a plain parallel reader
   rekindle-dev bench suite              make test, target by target, against its 40-min budget
   rekindle-dev bench report [--collect] docs/benchmarks.md from every benchmark's results
 
@@ -36,6 +37,7 @@ from rekindle_dev import (
     bench_mm,
     bench_node_agent,
     bench_report,
+    bench_store,
     bench_suite,
     bench_warm,
     bench_weights,
@@ -151,6 +153,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     )
     bench_node_agent.add_arguments(node)
     node.set_defaults(func=bench_node_agent.run)
+    store = bsub.add_parser(
+        "store", help="object store pull (verified) vs a plain parallel reader (SeaweedFS)"
+    )
+    bench_store.add_arguments(store)
+    store.set_defaults(func=bench_store.run)
     suite = bsub.add_parser("suite", help="make test, target by target: minutes, slowest tests")
     bench_suite.add_arguments(suite)
     suite.set_defaults(func=bench_suite.run)

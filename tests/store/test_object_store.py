@@ -13,13 +13,12 @@ from typing import Any, cast
 
 import pytest
 from rekindle_contract.manifest import MANIFEST_FORMAT, MANIFEST_NAME, Manifest
+from rekindle_dev.seaweedfs import SeaweedFS
 from rekindle_store import manifest_io, object_copy
 from rekindle_store.node_cache import NodeCache, VerifiedCheckpoint
 from rekindle_store.object_copy import PART_BYTES, StoreLocation
 from rekindle_store.s3 import Bucket, Credentials
 from rekindle_store.verified_copy import CopyError
-
-from .seaweedfs import SeaweedFS
 
 pytestmark = pytest.mark.store
 

@@ -327,3 +327,15 @@ def test_a_tampered_published_copy_is_refused_on_the_way_back(
             os.close(src)
         assert e.value.reason == "checksum_mismatch"
         assert fresh.names() == []
+
+
+def test_a_dropped_entry_goes_unless_a_replica_maps_it(tmp_path: Path, cache: NodeCache) -> None:
+    """What unpublish does to the node's copy of a deleted checkpoint: a replica that
+    restored with mapped memory pins it, and a pinned entry is never removed under it."""
+    v = cache.get(publish(tmp_path / "pub"), KEY)
+    cache.pin(v.entry, "pod-a")
+    assert cache.drop(v.entry) is False
+    assert (v.path / "images" / "pages-1.img").read_bytes() == PAGES
+    cache.unpin_holder("pod-a")
+    assert cache.drop(v.entry) is True
+    assert cache.names() == [] and cache.drop(v.entry) is False

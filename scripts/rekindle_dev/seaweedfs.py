@@ -1,4 +1,5 @@
-"""A real S3-compatible server for the store tests: SeaweedFS's `weed mini` on loopback.
+"""A real S3-compatible server on loopback, SeaweedFS's `weed mini`: the store tests'
+and `rekindle-dev bench store`'s.
 
 scripts/build-seaweedfs builds it from its Go module (cached). Every port it
 opens is chosen free and bound to 127.0.0.1; its telemetry (on by default) is
@@ -16,10 +17,26 @@ from pathlib import Path
 
 from rekindle_store.s3 import Bucket, Credentials, S3Error
 
+REPO = Path(__file__).resolve().parents[2]
+
 ACCESS_KEY = "rekindle-test"
 SECRET_KEY = "rekindle-test-secret-key-0123456789"
 # weed mini's servers, each an HTTP port and a gRPC port.
 _SERVERS = ("master", "volume", "filer", "s3", "admin")
+
+
+def build() -> Path:
+    """The weed binary (scripts/build-seaweedfs: cached; a miss builds, minutes)."""
+    res = subprocess.run(
+        [str(REPO / "scripts" / "build-seaweedfs")],
+        stdout=subprocess.PIPE,
+        text=True,
+        timeout=3600,
+        check=False,
+    )
+    if res.returncode != 0:
+        raise RuntimeError("scripts/build-seaweedfs failed (its progress is on stderr)")
+    return Path(res.stdout.strip().splitlines()[-1])
 
 
 def _free_port() -> int:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from rekindle_store.s3 import Bucket, Credentials, S3Error
 
-from tests.cluster.cluster_tools import create_namespace, kubectl, kubectl_json, wait_until
+from tests.cluster.cluster_tools import NODE1, create_namespace, kubectl, kubectl_json, wait_until
 from tests.cluster.operator_fixtures import require_image
 
 IMAGE = "rekindle.local/object-store:dev"
@@ -49,7 +49,7 @@ class ObjectStore:
         """Take the store away (0) or bring it back (1), waiting until it is so."""
         kubectl("scale", "-n", self.namespace, "deployment/s3", f"--replicas={replicas}")
         if replicas:
-            kubectl("rollout", "status", "-n", self.namespace, "deployment/s3", "--timeout=120s")
+            kubectl("rollout", "status", "-n", self.namespace, "deployment/s3", "--timeout=110s")
             wait_until("S3 to answer", self._answers, 120)
         else:
             wait_until("the store's pod gone", lambda: not self._pods(), 120)
@@ -110,6 +110,16 @@ def _manifests(ns: str, creds: Credentials) -> list[dict[str, object]]:
                     "spec": {
                         "automountServiceAccountToken": False,
                         "enableServiceLinks": False,
+                        # On the first node, even while a test cordons it (to send a
+                        # replica to the second): the store stays where its data is.
+                        "nodeSelector": {"kubernetes.io/hostname": NODE1},
+                        "tolerations": [
+                            {
+                                "key": "node.kubernetes.io/unschedulable",
+                                "operator": "Exists",
+                                "effect": "NoSchedule",
+                            }
+                        ],
                         "securityContext": {"runAsUser": 65534, "runAsGroup": 65534},
                         "containers": [
                             {
@@ -167,7 +177,7 @@ def deploy() -> Iterator[ObjectStore]:
             kubectl("apply", "-f", "-", input=json.dumps(m))
         svc = kubectl_json("get", "service", "-n", ns, "s3")
         store = ObjectStore(ns, f"http://{svc['spec']['clusterIP']}:{PORT}", creds)
-        kubectl("rollout", "status", "-n", ns, "deployment/s3", "--timeout=120s")
+        kubectl("rollout", "status", "-n", ns, "deployment/s3", "--timeout=110s")
         wait_until("S3 to answer", store._answers, 120)
         yield store
     finally:

@@ -577,6 +577,8 @@ def test_a_node_mode_service_boots_checkpoints_and_restores_unprivileged(
     copy.with_name(copy.name + ".away").rename(copy)
     kubectl("delete", "rkcp", "first", "-n", ns, "--timeout=120s")
     wait_until("the cleanup Job to remove the published copy", lambda: not copy.exists(), 180)
+    kubectl("delete", "rkis", NAME, "-n", ns, "--timeout=120s")
+    wait_until("its pods gone (their CPU is the next test's)", lambda: not pods_of(NAME, ns), 180)
 
 
 def test_a_checkpoint_made_on_one_node_restores_on_another_through_the_object_store(
@@ -683,6 +685,7 @@ def test_a_checkpoint_made_on_one_node_restores_on_another_through_the_object_st
     wait_until("the store's copy deleted", lambda: not list(bucket.list_objects(prefix)), 180)
     wait_until("the first node's copy dropped", lambda: not _entries(node_agent, NODE1), 60)
     kubectl("delete", "rkis", name, "-n", ns, "--timeout=120s")
+    wait_until("its pods gone", lambda: not pods_of(name, ns), 180)
 
 
 def _state_dir(agent_ns: str, node: str = NODE1) -> Path:

@@ -55,6 +55,14 @@ MEASURED_BY: dict[str, tuple[str, ...]] = {
     ),
     "cluster-up": ("scripts/local-cluster", "scripts/build-kubernetes", "scripts/bench-cluster-up"),
     "store": (_DEV + "bench_store.py", _DEV + "seaweedfs.py", "scripts/build-seaweedfs"),
+    "scale-out": (
+        "operator/rekindle_operator",
+        "charts/rekindle",
+        "images/runtime",
+        "scripts/local-cluster",
+        _DEV + "bench_scale_out.py",
+        _DEV + "local_s3.py",
+    ),
 }
 
 

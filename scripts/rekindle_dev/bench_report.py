@@ -74,6 +74,7 @@ SOURCES: dict[str, tuple[str, str]] = {
     "cluster": ("cluster/demo/bench.json", "DEMO_BENCH_OUT=docs/bench/cluster/demo make demo"),
     "cluster-up": ("cluster-up.json", "scripts/bench-cluster-up 5"),
     "node-agent": ("node-agent/results.json", "rekindle-dev bench node-agent --trials 5"),
+    "scale-out": ("scale-out/results.json", "rekindle-dev bench scale-out --trials 3"),
     "store": (
         "store/results.json",
         "rekindle-dev bench store --size-mib 1024 --trials 5 --threads 8 --out docs/bench/store",
@@ -790,6 +791,19 @@ The pod-level figures include the kubelet's 1 s readiness-probe period.
 """
 
 
+SCALE_OUT_NOTE = """\
+The two-node local cluster, the tiny model, one InferenceService (storage `node`,
+published to SeaweedFS in the cluster), scaled 0 → 1 per trial (N = 0: the
+replica added is the only one). `cached`: the first node, whose cache holds the
+checkpoint, its files in the page cache; `pull`: the second node, its cache
+emptied just before, so its node agent pulls the checkpoint from the store (the
+store's files in the page cache) and verifies every byte before the restore;
+`naive`: restorePolicy Never, vLLM boots. Both nodes are this machine: the
+"network" of the pull is loopback, so it shows the pull's cost, not a network's.
+
+"""
+
+
 STORE_NOTE = """\
 The same bytes (a 1 GiB pages file of random bytes and three small files) from
 the same SeaweedFS on loopback, in the same 16 MiB ranges with the same number of
@@ -1316,6 +1330,10 @@ def report(bench: Path, command: str, repo: Path | None = None) -> str:
         (
             "Cluster: restore through the node agent vs in the pod",
             lambda: NODE_AGENT_NOTE + section_embedded(res, "node-agent"),
+        ),
+        (
+            "Cluster: a new replica on a warm node, on a pulling node, naive",
+            lambda: SCALE_OUT_NOTE + section_embedded(res, "scale-out"),
         ),
         (
             "Object store: the verified pull vs a plain parallel reader",

@@ -14,6 +14,7 @@
   rekindle-dev bench kdat ...           CRIU's restore setup with and without its kdat cache
   rekindle-dev bench density ...        memory of N vLLM replicas restored from one checkpoint
   rekindle-dev bench node-agent ...     restore through the node agent vs in the pod (cluster)
+  rekindle-dev bench scale-out ...      a new replica: warm node, pulling node, naive (2 nodes)
   rekindle-dev bench store ...          object store pull vs a plain parallel reader
   rekindle-dev bench suite              make test, target by target, against its 40-min budget
   rekindle-dev bench report [--collect] docs/benchmarks.md from every benchmark's results
@@ -37,6 +38,7 @@ from rekindle_dev import (
     bench_mm,
     bench_node_agent,
     bench_report,
+    bench_scale_out,
     bench_store,
     bench_suite,
     bench_warm,
@@ -153,6 +155,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     )
     bench_node_agent.add_arguments(node)
     node.set_defaults(func=bench_node_agent.run)
+    scale_out = bsub.add_parser(
+        "scale-out", help="a new replica: warm node vs pulling node vs naive boot (2 nodes)"
+    )
+    bench_scale_out.add_arguments(scale_out)
+    scale_out.set_defaults(func=bench_scale_out.run)
     store = bsub.add_parser(
         "store", help="object store pull (verified) vs a plain parallel reader (SeaweedFS)"
     )

@@ -14,14 +14,13 @@ import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from rekindle_dev import local_s3
 from rekindle_store.s3 import Bucket, Credentials, S3Error
 
 from tests.cluster.cluster_tools import NODE1, create_namespace, kubectl, kubectl_json, wait_until
 from tests.cluster.operator_fixtures import require_image
 
-IMAGE = "rekindle.local/object-store:dev"
-BUCKET = "checkpoints"
-PORT = 8333
+IMAGE, BUCKET, PORT = local_s3.IMAGE, local_s3.BUCKET, local_s3.PORT
 
 
 @dataclass(frozen=True)
@@ -65,101 +64,6 @@ class ObjectStore:
             return False
 
 
-def _manifests(ns: str, creds: Credentials) -> list[dict[str, object]]:
-    config = {
-        "identities": [
-            {
-                "name": "rekindle-node",
-                "credentials": [{"accessKey": creds.access_key, "secretKey": creds.secret_key}],
-                "actions": ["Read", "Write", "List", "Tagging", "Admin"],
-            }
-        ]
-    }
-    labels = {"app": "s3"}
-    args = [
-        "mini",
-        "-dir=/data",
-        "-ip=127.0.0.1",
-        "-ip.bind=0.0.0.0",
-        "-master.telemetry=false",  # on by default: it would call out of the cluster
-        "-webdav=false",
-        "-admin.ui=false",
-        "-admin.port.legacy=0",
-        "-s3.port.iceberg=0",
-        "-s3.port.lance=0",
-        f"-s3.port={PORT}",
-        "-s3.config=/etc/s3/config.json",
-        f"-bucket={BUCKET}",
-    ]
-    return [
-        {
-            "apiVersion": "v1",
-            "kind": "Secret",
-            "metadata": {"name": "s3-config", "namespace": ns},
-            "stringData": {"config.json": json.dumps(config)},
-        },
-        {
-            "apiVersion": "apps/v1",
-            "kind": "Deployment",
-            "metadata": {"name": "s3", "namespace": ns, "labels": labels},
-            "spec": {
-                "replicas": 1,
-                "selector": {"matchLabels": labels},
-                "template": {
-                    "metadata": {"labels": labels},
-                    "spec": {
-                        "automountServiceAccountToken": False,
-                        "enableServiceLinks": False,
-                        # On the first node, even while a test cordons it (to send a
-                        # replica to the second): the store stays where its data is.
-                        "nodeSelector": {"kubernetes.io/hostname": NODE1},
-                        "tolerations": [
-                            {
-                                "key": "node.kubernetes.io/unschedulable",
-                                "operator": "Exists",
-                                "effect": "NoSchedule",
-                            }
-                        ],
-                        "securityContext": {"runAsUser": 65534, "runAsGroup": 65534},
-                        "containers": [
-                            {
-                                "name": "weed",
-                                "image": IMAGE,
-                                "imagePullPolicy": "Never",
-                                "args": args,
-                                "ports": [{"containerPort": PORT}],
-                                "readinessProbe": {
-                                    "tcpSocket": {"port": PORT},
-                                    "periodSeconds": 1,
-                                },
-                                "securityContext": {
-                                    "allowPrivilegeEscalation": False,
-                                    "capabilities": {"drop": ["ALL"]},
-                                },
-                                "volumeMounts": [
-                                    {"name": "data", "mountPath": "/data"},
-                                    {"name": "config", "mountPath": "/etc/s3"},
-                                ],
-                            }
-                        ],
-                        # The objects outlive the pod: scaled to zero and back, it holds them.
-                        "volumes": [
-                            {"name": "data", "hostPath": {"path": _data_dir(ns)}},
-                            {"name": "config", "secret": {"secretName": "s3-config"}},
-                        ],
-                    },
-                },
-            },
-        },
-        {
-            "apiVersion": "v1",
-            "kind": "Service",
-            "metadata": {"name": "s3", "namespace": ns},
-            "spec": {"selector": labels, "ports": [{"port": PORT, "targetPort": PORT}]},
-        },
-    ]
-
-
 def _data_dir(ns: str) -> str:
     return f"/var/lib/rekindle-cluster/{ns}"
 
@@ -173,7 +77,7 @@ def deploy() -> Iterator[ObjectStore]:
     os.makedirs(data, exist_ok=True)
     os.chown(data, 65534, 65534)
     try:
-        for m in _manifests(ns, creds):
+        for m in local_s3.manifests(ns, creds, _data_dir(ns), NODE1):
             kubectl("apply", "-f", "-", input=json.dumps(m))
         svc = kubectl_json("get", "service", "-n", ns, "s3")
         store = ObjectStore(ns, f"http://{svc['spec']['clusterIP']}:{PORT}", creds)

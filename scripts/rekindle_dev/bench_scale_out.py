@@ -1,0 +1,310 @@
+"""`rekindle-dev bench scale-out`: a new replica on a warm node, on a node that must pull
+the checkpoint, and a naive boot (the two-node local cluster, the tiny model).
+
+One InferenceService (storage `node`, published to the object store: SeaweedFS in
+the cluster) is booted and checkpointed on the first node. Then every trial scales
+it 0 -> 1 and times it as `kubectl rekindle bench` does (scale request to pod
+Ready and to the first token through the Service; agent start to Ready on the
+agent's clock), three arms, their order rotating per trial:
+
+  cached  the replica goes to the first node (the second cordoned), whose cache holds
+          the checkpoint (its files read whole just before: warm)
+  pull    the replica goes to the second node (the first cordoned), whose cache was
+          emptied just before: its node agent pulls the checkpoint from the object
+          store (the store's files read whole just before: warm) and verifies it
+  naive   the first node, restorePolicy Never: vLLM boots (the image's files warm
+          from the previous arms, as for every arm)
+
+The residency of the checkpoint files each arm reads is recorded before its trial.
+Needs `scripts/local-cluster up --nodes 2` and `make images` (root: it reads and
+empties the nodes' caches on this machine).
+
+    rekindle-dev bench scale-out --trials 3 --out docs/bench/scale-out
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rekindle_operator import cluster_bench
+from rekindle_operator.kube import Kube, load_configuration
+from rekindle_store.s3 import Credentials
+
+from rekindle_dev import bench_node_agent as na
+from rekindle_dev import local_s3
+from rekindle_dev.bench_common import REPO, md_table, provenance, pyplot, save_figure
+
+ARMS = ("cached", "pull", "naive")
+NAME = na.NAME
+NODE1, NODE2 = "rekindle-node", "rekindle-node-2"
+NODE_LOCAL = "/var/lib/rekindle-cluster/node-local"
+NODE2_LOCAL = "/var/lib/rekindle-cluster/nodes/2/node-local"
+TOLERATION = {"key": "rekindle.dev/node", "operator": "Exists", "effect": "NoSchedule"}
+
+
+def log(msg: str) -> None:
+    print(f"[bench scale-out {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trials", type=int, default=3, help="trials per arm (median of these)")
+    p.add_argument("--out", default="docs/bench/scale-out")
+
+
+def object_store(ns: str, creds: Credentials, data_dir: Path) -> str:
+    """Deploy SeaweedFS on the first node; its endpoint (the Service's cluster IP)."""
+    data_dir.mkdir(parents=True)
+    os.chown(data_dir, 65534, 65534)
+    for m in local_s3.manifests(ns, creds, str(data_dir), NODE1):
+        na.kubectl("apply", "-f", "-", input=json.dumps(m))
+    na.kubectl("rollout", "status", "-n", ns, "deployment/s3", "--timeout=120s")
+    ip = json.loads(na.kubectl("get", "service", "-n", ns, "s3", "-o", "json"))["spec"]
+    return f"http://{ip['clusterIP']}:{local_s3.PORT}"
+
+
+def node_agent(ns: str, state: str, endpoint: str, creds: Credentials) -> None:
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "s3-credentials", "namespace": ns},
+        "stringData": {"accessKeyID": creds.access_key, "secretAccessKey": creds.secret_key},
+    }
+    na.kubectl("apply", "-f", "-", input=json.dumps(secret))
+    rendered = subprocess.run(
+        [
+            "helm", "template", "rk", str(REPO / "charts" / "rekindle"), "-n", ns,
+            "-s", "templates/node-agent.yaml",
+            "--set", "nodeAgent.enabled=true",
+            "--set", f"nodeAgent.image.repository={na.IMAGE.split(':')[0]}",
+            "--set", f"nodeAgent.image.tag={na.IMAGE.split(':')[1]}",
+            "--set", "nodeAgent.image.pullPolicy=Never",
+            "--set", f"nodeAgent.stateDir={state}",
+            "--set", f"nodeAgent.containerdTasks={na.CONTAINERD_TASKS}",
+            "--set", f"nodeAgent.kubeletRoot={na.KUBELET_ROOT}",
+            "--set", f"nodeAgent.objectStore.endpoint={endpoint}",
+            "--set", f"nodeAgent.objectStore.bucket={local_s3.BUCKET}",
+            "--set", "nodeAgent.objectStore.credentialsSecret=s3-credentials",
+            "--set-json", f"nodeAgent.tolerations=[{json.dumps(TOLERATION)}]",
+        ],
+        capture_output=True, text=True, check=True, timeout=120, env=na.ENV,
+    ).stdout  # fmt: skip
+    na.kubectl("apply", "-n", ns, "-f", "-", input=rendered)
+    na.kubectl("rollout", "status", "-n", ns, "daemonset/rk-rekindle-node", "--timeout=180s")
+
+
+def service(ns: str) -> None:
+    doc = yaml.safe_load((REPO / "examples" / "tiny-cpu.yaml").read_text())
+    doc["metadata"] = {"name": NAME}
+    doc["spec"]["coldStart"]["storage"] = {"type": "node", "node": {"publish": "objectStore"}}
+    doc["spec"]["podTemplate"] = {"spec": {"tolerations": [TOLERATION]}}
+    na.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(doc))
+
+
+def only(node: str) -> None:
+    """Schedule on node alone: the other one cordoned."""
+    other = NODE2 if node == NODE1 else NODE1
+    na.kubectl("uncordon", node)
+    na.kubectl("cordon", other)
+
+
+def entries(state: str, node: str) -> Path:
+    local = NODE2_LOCAL if node == NODE2 else NODE_LOCAL
+    return Path(state.replace(NODE_LOCAL, local, 1)) / "cache" / "entries"
+
+
+def empty_cache(state: str, node: str) -> None:
+    for e in entries(state, node).iterdir():
+        for d, _sub, _files in os.walk(e):
+            os.chmod(d, 0o700)
+        shutil.rmtree(e)
+
+
+def run(args: argparse.Namespace) -> int:
+    if os.geteuid() != 0:
+        raise SystemExit("rekindle-dev bench scale-out: run as root (it empties a node's cache)")
+    started, load0 = time.time(), os.getloadavg()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    na.ENV.update(na.cluster_env())
+    nodes = json.loads(na.kubectl("get", "nodes", "-o", "json"))["items"]
+    if {n["metadata"]["name"] for n in nodes} != {NODE1, NODE2}:
+        raise SystemExit("needs the two-node local cluster: scripts/local-cluster up --nodes 2")
+    kube = Kube(load_configuration(na.ENV["KUBECONFIG"]))
+    na.kubectl("apply", "-f", str(REPO / "charts/rekindle/files/crds"))
+    tag = uuid.uuid4().hex[:6]
+    s3_ns, agent_ns = na.namespace("bench-s3", None), na.namespace("bench-node", "privileged")
+    ns = na.namespace("bench-scale", "baseline")
+    s3_data = Path(f"/var/lib/rekindle-cluster/bench-s3-{tag}")
+    state = f"{NODE_LOCAL}/bench-node-{tag}"
+    creds = Credentials(f"rk-{secrets.token_hex(4)}", secrets.token_hex(20))
+    op_log = open(out / "operator.log", "w")  # noqa: SIM115
+    op = subprocess.Popen(
+        [sys.executable, "-m", "rekindle_operator", "--namespace", ns],
+        env={**na.ENV, "REKINDLE_STATUS_INTERVAL": "2"},
+        stdout=op_log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    trials: list[dict[str, Any]] = []
+    try:
+        endpoint = object_store(s3_ns, creds, s3_data)
+        node_agent(agent_ns, state, endpoint, creds)
+        only(NODE1)
+        service(ns)
+        ck = na.checkpoint(kube, ns)
+        log(f"checkpoint {ck['path']} on {ck.get('node')}, published to {endpoint}")
+        for i in range(args.trials):
+            order = ARMS[i % 3 :] + ARMS[: i % 3]
+            for arm in order:
+                res: dict[str, Any] = {}
+
+                def prepare(arm: str = arm, res: dict[str, Any] = res) -> None:
+                    if arm == "pull":
+                        only(NODE2)
+                        empty_cache(state, NODE2)
+                        na.read_all(s3_data)
+                        res.update(na.residency(s3_data))
+                    else:
+                        only(NODE1)
+                        na.read_all(entries(state, NODE1))
+                        res.update(na.residency(entries(state, NODE1)))
+
+                t = cluster_bench.one_trial(
+                    kube, ns, NAME, NAME, "naive" if arm == "naive" else "restore", i,
+                    before_start=prepare,
+                )  # fmt: skip
+                path = _path(kube, ns)
+                trials.append({**asdict(t), "arm": arm, "path": path, "residency": res})
+                log(
+                    f"[{arm} {i + 1}/{args.trials}] on {t.node}: first token "
+                    f"{t.first_token_s:.2f}s, pod ready {t.ready_s:.2f}s ({path}), "
+                    f"files resident {res.get('resident_pct')}%"
+                )
+                want = {"cached": "restore", "pull": "restoreAfterPull", "naive": "boot"}[arm]
+                if path != want:
+                    raise SystemExit(
+                        f"{arm} trial {i}: came up by {path!r}, not {want}: {t.reason}"
+                    )
+    finally:
+        na.kubectl("uncordon", NODE1, check=False)
+        na.kubectl("uncordon", NODE2, check=False)
+        na.kubectl("scale", f"rkis/{NAME}", "-n", ns, "--replicas=0", check=False)
+        na.wait("the service's pods to go", lambda: not na._any_pods(ns), 180)
+        op.terminate()
+        op.wait(timeout=60)
+        for kind in ("checkpoints.rekindle.dev", "inferenceservices.rekindle.dev"):
+            for n in na.kubectl("get", kind, "-n", ns, "-o", "name", check=False).split():
+                na.kubectl("patch", n, "-n", ns, "--type=merge", "-p",
+                           '{"metadata":{"finalizers":[]}}', check=False)  # fmt: skip
+        for n in (ns, agent_ns, s3_ns):
+            na.kubectl("delete", "namespace", n, "--wait=false", check=False)
+        for p in (Path(state), Path(state.replace(NODE_LOCAL, NODE2_LOCAL, 1)), s3_data):
+            subprocess.run(["chattr", "-R", "-i", str(p)], check=False, capture_output=True)
+            shutil.rmtree(p, ignore_errors=True)
+    doc = {
+        **provenance(
+            "rekindle-dev bench scale-out " + " ".join(shlex.quote(a) for a in sys.argv[3:]),
+            [
+                "images/runtime/rekindle_node",
+                "operator/rekindle_operator",
+                "charts/rekindle",
+                "scripts/local-cluster",
+                "scripts/rekindle_dev/bench_scale_out.py",
+                "scripts/rekindle_dev/local_s3.py",
+            ],
+            load0,
+            started,
+        ),
+        "arms": {
+            "cached": "a node whose cache holds the checkpoint (warm page cache)",
+            "pull": "a node whose cache was emptied: pulled from the object store, verified",
+            "naive": "restorePolicy Never: vLLM boots",
+        },
+        "timing": cluster_bench.TIMING,
+        "trials": trials,
+        "summary": summarize(trials),
+    }
+    (out / "results.json").write_text(json.dumps(doc, indent=2) + "\n")
+    (out / "results.md").write_text(markdown(doc))
+    plot(doc, out / "results.png")
+    print(markdown(doc))
+    return 0
+
+
+def _path(kube: Kube, ns: str) -> str:
+    """How the replica came up, as its InferenceService's status says (bounded wait)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        pods = ((kube.get("InferenceService", ns, NAME) or {}).get("status") or {}).get("pods")
+        if pods and pods[0].get("coldStartPath"):
+            return str(pods[0]["coldStartPath"])
+        time.sleep(1)
+    return ""
+
+
+def summarize(trials: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for arm in ARMS:
+        rows = [t for t in trials if t["arm"] == arm]
+        if rows:
+            out[arm] = {
+                "first_token_s": statistics.median(t["first_token_s"] for t in rows),
+                "ready_s": statistics.median(t["ready_s"] for t in rows),
+            }
+    return out
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    s = doc["summary"]
+    naive = s.get("naive", {}).get("first_token_s")
+    rows = []
+    for arm in ARMS:
+        if arm not in s:
+            continue
+        per = [t["first_token_s"] for t in doc["trials"] if t["arm"] == arm]
+        ratio = f"{naive / s[arm]['first_token_s']:.1f}x" if naive else "-"
+        rows.append(
+            [
+                arm,
+                f"{s[arm]['first_token_s']:.2f}",
+                f"{s[arm]['ready_s']:.2f}",
+                ratio if arm != "naive" else "1.0x",
+                ", ".join(f"{x:.2f}" for x in per),
+            ]
+        )
+    head = (
+        f"Commit {doc['commit']}, {doc['date']}, {doc['host'].get('cpus')} CPUs; command: "
+        f"`{doc['command']}`.\n\nScale 0 → 1, seconds, median (per trial, in order); the "
+        "arms' order rotates per trial. Targets (issue 24): cached at least 10x faster than "
+        "naive, pull at least 5x.\n\n"
+    )
+    table = md_table(
+        ["arm", "first token", "pod Ready", "naive / arm", "first token per trial"], rows
+    )
+    return head + table
+
+
+def plot(doc: dict[str, Any], out: Path) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for i, arm in enumerate(ARMS):
+        per = [t["first_token_s"] for t in doc["trials"] if t["arm"] == arm]
+        if per:
+            ax.scatter([i] * len(per), per, alpha=0.6)
+            ax.hlines(statistics.median(per), i - 0.25, i + 0.25, color="black")
+    ax.set_xticks(range(len(ARMS)), ARMS)
+    ax.set_ylabel("scale 0→1 → first token, s (lower is better)")
+    ax.set_ylim(bottom=0)
+    save_figure(fig, out, "A new replica: warm node, pulling node, naive boot")

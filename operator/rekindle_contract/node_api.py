@@ -19,7 +19,7 @@ MAX_ANSWER_BYTES = 4 << 20
 
 # dump    CRIU-dump the tree rooted at args.pid (its pid in the pod), into the node's staging
 # commit  finish that dump: args.dir's files (a directory in the pod) and args.manifest join
-#         the images, signed by the node, into the cache under args.name
+#         the images, signed by the node agent (the fleet key), into the cache under args.name
 # open    a descriptor of checkpoint args.name's verified directory (answer: fd)
 # mark_verified  record that a restore from args.name served (args.details)
 # publish copy checkpoint args.name to args.dir (a new directory in the pod, on shared

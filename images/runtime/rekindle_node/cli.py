@@ -30,7 +30,8 @@ def parser() -> argparse.ArgumentParser:
         "--state-dir",
         type=Path,
         default=Path("/var/lib/rekindle-node"),
-        help="root-only node storage: the verified cache, the node's key, CRIU's logs",
+        help="root-only node storage: the verified cache, a node key (without "
+        "--signing-key-file), CRIU's logs",
     )
     p.add_argument(
         "--cache-budget-gib",
@@ -86,7 +87,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def node_key(state: Path) -> bytes:
-    """The node's signing key: made once, root-only, never leaves the node agent."""
+    """A key of this node alone (no --signing-key-file): made once, root-only, never
+    leaves the node agent; no other node accepts what it signs."""
     path = state / KEY_FILE
     try:
         key = path.read_bytes()

@@ -4,7 +4,7 @@ Every operation acts on the caller's own pod, found from the caller (its pid
 namespace's PID 1), never from the request. A dump (CRIU's images) and then the
 caller's own files (commit: the weight dump, /dev/shm copies) are written by the
 node agent into its root-only staging directory, hashed as they land, signed
-with the node's key, and sealed into the node cache as they are. A restore
+with the fleet's key, and sealed into the node cache as they are. A restore
 reads only a cache entry, and only into a pod of the namespace the checkpoint
 was made in (the name index is per namespace; the signed identity agrees).
 """
@@ -278,8 +278,9 @@ class Operations:
 
     def pull(self, caller: Caller, req: Request) -> dict[str, Any]:
         """Verify the checkpoint published at args.dir (in the caller's pod) into the cache
-        under args.name. The manifest must be signed by this node's key and name this
-        namespace and args.name (an older checkpoint, or another namespace's, is refused)."""
+        under args.name (args.from "store": from the object store). The manifest must be
+        signed by this node agent's key (the fleet's) and name this namespace and
+        args.name (an older checkpoint, or another namespace's, is refused)."""
         name = _name_arg(req)
         if req.args.get("from") == "store":
             loc = self._store_location(caller, req)

@@ -372,8 +372,10 @@ def test_checkpoint_ready_then_new_replica_restores_with_same_output(
     assert completions(served["url"]) == before
 
     status = run_plugin(kubectl_rekindle, "-n", op_namespace, "status", NAME)
-    assert status.returncode == 0 and ": restored" in status.stdout, status.stdout
+    assert status.returncode == 0, status.stdout
+    assert " on rekindle-node: restore, ready=True" in status.stdout, status.stdout
     assert "memory mmap" in status.stdout, status.stdout
+    assert "rekindle-node: 1/1 ready, checkpoint cached" in status.stdout, status.stdout
 
 
 def test_plugin_talks_to_the_context_it_is_given(

@@ -29,7 +29,7 @@ import pytest
 from rekindle_contract.model_cache import MODEL_CACHE_MOUNT, MODEL_MOUNT, model_path
 from rekindle_dev.models import TinyModelSpec, generate_tiny_model
 
-from tests.cluster.cluster_tools import kubectl, kubectl_json
+from tests.cluster.cluster_tools import NODE1, kubectl, kubectl_json
 from tests.cluster.operator_fixtures import (
     apply,
     host_path_claim,
@@ -77,7 +77,7 @@ def pv_and_claim(ns: str, node_dir: Path) -> str:
 
 
 def node_address() -> str:
-    node = kubectl_json("get", "nodes")["items"][0]
+    node = kubectl_json("get", "node", NODE1)
     return next(a["address"] for a in node["status"]["addresses"] if a["type"] == "InternalIP")
 
 

@@ -293,7 +293,14 @@ def markdown(doc: dict[str, Any]) -> str:
     table = md_table(
         ["arm", "first token", "pod Ready", "naive / arm", "first token per trial"], rows
     )
-    return head + table
+    resident = ", ".join(f"{t['arm']} {t['residency'].get('resident_pct')}%" for t in doc["trials"])
+    host = doc["host"]
+    foot = (
+        f"\nFiles each arm reads, resident in the page cache just before its trial: {resident}. "
+        f"Load average {host['load_avg_at_start'][0]} at the start, "
+        f"{host['load_avg_at_end'][0]} at the end; {host.get('cpu', '')}, {host.get('cpus')} CPUs.\n"
+    )
+    return head + table + foot
 
 
 def plot(doc: dict[str, Any], out: Path) -> None:

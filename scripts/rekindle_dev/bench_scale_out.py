@@ -298,7 +298,8 @@ def markdown(doc: dict[str, Any]) -> str:
     foot = (
         f"\nFiles each arm reads, resident in the page cache just before its trial: {resident}. "
         f"Load average {host['load_avg_at_start'][0]} at the start, "
-        f"{host['load_avg_at_end'][0]} at the end; {host.get('cpu', '')}, {host.get('cpus')} CPUs.\n"
+        f"{host['load_avg_at_end'][0]} at the end; "
+        f"{host.get('cpu', '')}, {host.get('cpus')} CPUs.\n"
     )
     return head + table + foot
 

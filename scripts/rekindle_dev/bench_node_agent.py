@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -84,7 +85,8 @@ def namespace(prefix: str, pss: str | None) -> str:
     return ns
 
 
-def node_agent(ns: str, state: str) -> None:
+def node_agent(ns: str, state: str, values: Sequence[str] = ()) -> None:
+    """The chart's node-agent DaemonSet in ns (values: more `--set`/`--set-json` args)."""
     rendered = subprocess.run(
         [
             "helm", "template", "rk", str(REPO / "charts" / "rekindle"), "-n", ns,
@@ -96,11 +98,20 @@ def node_agent(ns: str, state: str) -> None:
             "--set", f"nodeAgent.stateDir={state}",
             "--set", f"nodeAgent.containerdTasks={CONTAINERD_TASKS}",
             "--set", f"nodeAgent.kubeletRoot={KUBELET_ROOT}",
+            *values,
         ],
         capture_output=True, text=True, check=True, timeout=120, env=ENV,
     ).stdout  # fmt: skip
     kubectl("apply", "-n", ns, "-f", "-", input=rendered)
-    kubectl("rollout", "status", "-n", ns, "daemonset/rk-rekindle-node", "--timeout=120s")
+    kubectl("rollout", "status", "-n", ns, "daemonset/rk-rekindle-node", "--timeout=180s")
+
+
+def drop_finalizers(ns: str) -> None:
+    """Let ns's Checkpoints and InferenceServices go without an operator."""
+    for kind in ("checkpoints.rekindle.dev", "inferenceservices.rekindle.dev"):
+        for n in kubectl("get", kind, "-n", ns, "-o", "name", check=False).split():
+            kubectl("patch", n, "-n", ns, "--type=merge", "-p",
+                    '{"metadata":{"finalizers":[]}}', check=False)  # fmt: skip
 
 
 def service(ns: str, storage: dict[str, Any]) -> None:
@@ -326,11 +337,7 @@ def run(args: argparse.Namespace) -> int:
         op.terminate()
         op.wait(timeout=60)
         for ns in (pod_ns, node_ns, agent_ns):
-            for kind in ("checkpoints.rekindle.dev", "inferenceservices.rekindle.dev"):
-                names = kubectl("get", kind, "-n", ns, "-o", "name", check=False).split()
-                for n in names:
-                    kubectl("patch", n, "-n", ns, "--type=merge", "-p",
-                            '{"metadata":{"finalizers":[]}}', check=False)  # fmt: skip
+            drop_finalizers(ns)
             kubectl("delete", "namespace", ns, "--wait=false", check=False)
         subprocess.run(["rm", "-rf", state, host], check=False)
     doc = {

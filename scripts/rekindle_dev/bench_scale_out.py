@@ -84,26 +84,16 @@ def node_agent(ns: str, state: str, endpoint: str, creds: Credentials) -> None:
         "stringData": {"accessKeyID": creds.access_key, "secretAccessKey": creds.secret_key},
     }
     na.kubectl("apply", "-f", "-", input=json.dumps(secret))
-    rendered = subprocess.run(
+    na.node_agent(
+        ns,
+        state,
         [
-            "helm", "template", "rk", str(REPO / "charts" / "rekindle"), "-n", ns,
-            "-s", "templates/node-agent.yaml",
-            "--set", "nodeAgent.enabled=true",
-            "--set", f"nodeAgent.image.repository={na.IMAGE.split(':')[0]}",
-            "--set", f"nodeAgent.image.tag={na.IMAGE.split(':')[1]}",
-            "--set", "nodeAgent.image.pullPolicy=Never",
-            "--set", f"nodeAgent.stateDir={state}",
-            "--set", f"nodeAgent.containerdTasks={na.CONTAINERD_TASKS}",
-            "--set", f"nodeAgent.kubeletRoot={na.KUBELET_ROOT}",
             "--set", f"nodeAgent.objectStore.endpoint={endpoint}",
             "--set", f"nodeAgent.objectStore.bucket={local_s3.BUCKET}",
             "--set", "nodeAgent.objectStore.credentialsSecret=s3-credentials",
             "--set-json", f"nodeAgent.tolerations=[{json.dumps(TOLERATION)}]",
         ],
-        capture_output=True, text=True, check=True, timeout=120, env=na.ENV,
-    ).stdout  # fmt: skip
-    na.kubectl("apply", "-n", ns, "-f", "-", input=rendered)
-    na.kubectl("rollout", "status", "-n", ns, "daemonset/rk-rekindle-node", "--timeout=180s")
+    )  # fmt: skip
 
 
 def service(ns: str) -> None:
@@ -204,10 +194,7 @@ def run(args: argparse.Namespace) -> int:
         na.wait("the service's pods to go", lambda: not na._any_pods(ns), 180)
         op.terminate()
         op.wait(timeout=60)
-        for kind in ("checkpoints.rekindle.dev", "inferenceservices.rekindle.dev"):
-            for n in na.kubectl("get", kind, "-n", ns, "-o", "name", check=False).split():
-                na.kubectl("patch", n, "-n", ns, "--type=merge", "-p",
-                           '{"metadata":{"finalizers":[]}}', check=False)  # fmt: skip
+        na.drop_finalizers(ns)
         for n in (ns, agent_ns, s3_ns):
             na.kubectl("delete", "namespace", n, "--wait=false", check=False)
         for p in (Path(state), Path(state.replace(NODE_LOCAL, NODE2_LOCAL, 1)), s3_data):

@@ -86,7 +86,7 @@ def make_checkpoint(root: Path, size: int) -> Path:
     return root
 
 
-def _ranges(bucket: Bucket, loc: StoreLocation, files: list[dict[str, Any]]) -> list[Any]:
+def _ranges(loc: StoreLocation, files: list[dict[str, Any]]) -> list[Any]:
     return [
         (loc.data_key(f["path"]), start, min(start + PART_BYTES, f["size"]))
         for f in sorted(files, key=lambda f: -f["size"])
@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
         log(f"publishing {size >> 20} MiB")
         sent = object_copy.publish(src, loc, args.threads)
         files = json.loads((src / "manifest.json").read_bytes())["files"]
-        jobs = _ranges(bucket, loc, files)
+        jobs = _ranges(loc, files)
         total = sum(f["size"] for f in files)
         log(f"published {sent.bytes} bytes in {sent.seconds:.1f} s; warming the store")
         plain(bucket, jobs, args.threads)  # the server's page cache, for every arm alike
@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
                 seconds = time.monotonic() - t0
                 assert got == total, (arm, got, total)
                 shutil.rmtree(dest, ignore_errors=True)
-                _drop_writeback()
+                os.sync()  # the next arm starts without this one's writeback
                 row = {
                     "trial": t,
                     "arm": arm,
@@ -207,10 +207,6 @@ def run(args: argparse.Namespace) -> int:
     plot(doc, args.out / "results.png")
     print(report(doc))
     return 0
-
-
-def _drop_writeback() -> None:
-    os.sync()
 
 
 def report(doc: dict[str, Any]) -> str:

@@ -228,7 +228,6 @@ def pull_files(
     journal = _Journal(stage, boot)
     entries = sorted(manifest.get("files", []), key=lambda e: -e["size"])
     states: dict[str, _FileState] = {}
-    fetched = 0
     try:
         for f in entries:
             states[f["path"]] = _open_state(stage, f, journal, signed)
@@ -237,9 +236,9 @@ def pull_files(
             for st, start, end in _ranges(states.values()):
                 window.append((st, start, pool.submit(_fetch, loc, st, start, end)))
                 if len(window) > threads * 2:
-                    fetched += _consume(window.popleft(), journal, loc, on_progress)
+                    _consume(window.popleft(), journal, loc, on_progress)
             while window:
-                fetched += _consume(window.popleft(), journal, loc, on_progress)
+                _consume(window.popleft(), journal, loc, on_progress)
         for st in states.values():
             _finish_file(st, loc, journal)
     except S3Error as e:
@@ -321,7 +320,7 @@ def _consume(
     journal: _Journal,
     loc: StoreLocation,
     on_progress: Callable[[int], None] | None,
-) -> int:
+) -> None:
     st, start, fut = item
     data = fut.result()
     if start != st.verified:  # ranges are consumed in order: never happens
@@ -334,7 +333,6 @@ def _consume(
         journal.record(st.entry["path"], st.verified)
     if on_progress is not None:
         on_progress(len(data))
-    return len(data)
 
 
 def _finish_file(st: _FileState, loc: StoreLocation, journal: _Journal) -> None:

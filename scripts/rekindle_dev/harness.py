@@ -40,6 +40,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from rekindle_agent.mapped_files.immutable import remove_tree
 from rekindle_agent.supervision.vllm_process import wait_port_free
 from rekindle_contract.agent_args import AgentArgs, agent_argv
 from rekindle_contract.api import AgentClient, StatusReply
@@ -374,3 +375,12 @@ class AgentFactory:
                 errors.append(e)
         if errors:
             raise errors[0]
+
+    def remove_checkpoints(self) -> None:
+        """Delete every checkpoint made here (immutable files included), keeping the logs.
+
+        A test session makes GBs of checkpoints; removed when their fixture ends, a
+        suite needs the disk of the checkpoints in use, not of all it ever made.
+        """
+        if self.checkpoints.exists():
+            remove_tree(self.checkpoints)

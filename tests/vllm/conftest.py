@@ -91,8 +91,11 @@ def factory_for(
     f = AgentFactory(
         tmp_path_factory.mktemp(name), model, criu_prefix / "patched" / "criu", served_name
     )
-    yield f
-    f.stop_all()
+    try:
+        yield f
+    finally:
+        f.stop_all()
+        f.remove_checkpoints()
 
 
 @pytest.fixture(scope="session")

@@ -357,6 +357,7 @@ def sized(tmp_path_factory: pytest.TempPathFactory, vlm_model: Path, criu_prefix
         raise
     finally:
         factory.stop_all()
+        factory.remove_checkpoints()
     return r
 
 

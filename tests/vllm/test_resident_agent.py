@@ -120,6 +120,8 @@ def test_agent_keeps_its_newest_checkpoint_resident(
         assert vmtouch_holding(ckpt)
     finally:
         agent.stop()
+        remove_tree(ckpt)
+        control.unlink(missing_ok=True)
         control.unlink(missing_ok=True)
     try:
         # stop() returned once the agent's namespace was empty: its vmtouch is gone.

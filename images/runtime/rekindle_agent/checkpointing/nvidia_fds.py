@@ -1,0 +1,101 @@
+"""NVIDIA device files a process holds open or mapped, named before CRIU meets them.
+
+CRIU dumps the character devices it knows, and /dev/nvidia* are not among
+them. cuda-checkpoint's checkpoint action releases CUDA's own descriptors
+and mappings with the GPU memory; whatever else opened the driver (NVML
+above all: nvmlInit opens /dev/nvidiactl and a GPU's /dev/nvidiaN and holds
+them until nvmlShutdown) still holds them, and the dump fails on the first
+one with a message about an unsupported file. Scanned once CUDA has
+released the GPU, each leftover is named with its process, descriptor and
+kind, so a refusal says what to close.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+_KINDS = (
+    (re.compile(r"/dev/nvidiactl"), "control"),
+    (re.compile(r"/dev/nvidia\d+"), "gpu"),
+    (re.compile(r"/dev/nvidia-uvm"), "uvm"),
+    (re.compile(r"/dev/nvidia-uvm-tools"), "uvm-tools"),
+    (re.compile(r"/dev/nvidia-modeset"), "modeset"),
+    (re.compile(r"/dev/nvidia-caps/.+"), "capability"),
+)
+
+
+@dataclass(frozen=True)
+class NvidiaHandle:
+    """One open descriptor (fd set) or one mapping (fd None) of an NVIDIA device file."""
+
+    pid: int
+    fd: int | None
+    path: str
+    kind: str
+
+    def __str__(self) -> str:
+        where = f"fd {self.fd}" if self.fd is not None else "a mapping"
+        return f"pid {self.pid} {where}: {self.path} ({self.kind})"
+
+
+def kind_of(path: str) -> str | None:
+    """What an NVIDIA device path is ('control', 'gpu', 'uvm', ...), None for anything else."""
+    for pattern, kind in _KINDS:
+        if pattern.fullmatch(path):
+            return kind
+    return None
+
+
+def _fds(pid: int, proc: Path) -> Iterable[tuple[int, str]]:
+    fd_dir = proc / str(pid) / "fd"
+    try:
+        names = os.listdir(fd_dir)
+    except (FileNotFoundError, ProcessLookupError):
+        return
+    for name in names:
+        try:
+            yield int(name), os.readlink(fd_dir / name)
+        except (OSError, ValueError):
+            continue  # closed meanwhile
+
+
+def _mapped(pid: int, proc: Path) -> Iterable[str]:
+    try:
+        text = (proc / str(pid) / "maps").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return
+    seen = set()
+    for line in text.splitlines():
+        fields = line.split(maxsplit=5)
+        path = fields[5].strip() if len(fields) == 6 else ""
+        if path and path not in seen:
+            seen.add(path)
+            yield path
+
+
+def scan(pid: int, proc: str | Path = "/proc") -> list[NvidiaHandle]:
+    """Every NVIDIA device descriptor and mapped device file of one process."""
+    root = Path(proc)
+    out = [NvidiaHandle(pid, fd, t, k) for fd, t in _fds(pid, root) if (k := kind_of(t))]
+    out += [NvidiaHandle(pid, None, p, k) for p in _mapped(pid, root) if (k := kind_of(p))]
+    return sorted(out, key=lambda h: (h.pid, h.fd is None, h.fd or 0, h.path))
+
+
+def scan_tree(pids: Iterable[int], proc: str | Path = "/proc") -> list[NvidiaHandle]:
+    """scan() over every process of a tree."""
+    return [h for pid in pids for h in scan(pid, proc)]
+
+
+def leftover_message(handles: list[NvidiaHandle]) -> str:
+    """The refusal for handles still open once CUDA released the GPU: what, and what to do."""
+    shown = "; ".join(str(h) for h in handles[:8])
+    more = f" (and {len(handles) - 8} more)" if len(handles) > 8 else ""
+    return (
+        f"NVIDIA device files still open after CUDA released the GPU: {shown}{more}. "
+        "CRIU cannot dump them: close them before the checkpoint (NVML: nvmlShutdown() "
+        "after use)"
+    )

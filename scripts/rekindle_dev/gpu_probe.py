@@ -285,74 +285,115 @@ def phase_nvml(a: argparse.Namespace, work: Path) -> dict[str, Any]:
     return out
 
 
+class Criu:
+    """The carried CRIU (criu, plugins/, lib/) with the cuda-checkpoint work-alike on PATH."""
+
+    def __init__(self, criu_dir: str, work: Path) -> None:
+        cdir = Path(criu_dir).resolve()
+        self.binary, self.plugins = str(cdir / "criu"), str(cdir / "plugins")
+        self.env = dict(os.environ, LD_LIBRARY_PATH=str(cdir / "lib"))
+        shim = work / "bin"
+        shim.mkdir(exist_ok=True)
+        # CRIU runs it from another directory: the module path must be absolute.
+        path = ":".join(str(Path(d).resolve()) for d in os.environ.get("PYTHONPATH", "").split(":"))
+        (shim / "cuda-checkpoint").write_text(
+            "#!/bin/sh\nunset LD_LIBRARY_PATH\n"
+            f'PYTHONPATH={path} exec {sys.executable} -m rekindle_dev.cuda_checkpoint_cli "$@"\n'
+        )
+        (shim / "cuda-checkpoint").chmod(0o755)
+        self.env["PATH"] = f"{shim}:{self.env['PATH']}"
+
+    def run(self, *args: str) -> str:
+        p = subprocess.run(
+            [self.binary, *args], capture_output=True, text=True, env=self.env, timeout=60
+        )
+        return (p.stdout + p.stderr).strip()[-2000:]
+
+    def cycle(self, c: Child, restores: tuple[bool, ...]) -> dict[str, Any]:
+        """Dump the child (CUDA plugin), then restore it: each of restores (mmap or not) is
+        tried in turn until one works; the child re-checks its GPU state after it."""
+        images = c.ctl / "images"
+        images.mkdir()
+        one: dict[str, Any] = {"pid": c.pid}
+        t = time.monotonic()
+        log = str(c.ctl / "dump.log")
+        argv = criu.dump_argv(self.binary, c.pid, str(images), log, plugins=self.plugins)
+        p = subprocess.run(argv, capture_output=True, text=True, env=self.env, timeout=300)
+        one["dump"] = {"rc": p.returncode, "s": secs(t)}
+        one["dump_log_tail"] = criu.log_tail(Path(log).read_text(errors="replace"), 25)
+        one["images_mib"] = round(sum(f.stat().st_size for f in images.iterdir()) / 2**20, 1)
+        if p.returncode != 0:
+            one["child_after_failed_dump"] = c.check() if c.proc.poll() is None else "dead"
+            return one
+        c.proc.wait(timeout=30)  # reap it: the restore needs its PID free
+        for mmap in restores:
+            t = time.monotonic()
+            tag = "mmap" if mmap else "copy"
+            rlog, pidfile = str(c.ctl / f"restore-{tag}.log"), str(c.ctl / f"{tag}.pid")
+            argv = criu.restore_argv(
+                self.binary, str(images), rlog, pidfile, mmap=mmap, plugins=self.plugins
+            )
+            p = subprocess.run(argv, capture_output=True, text=True, env=self.env, timeout=300)
+            log_text = Path(rlog).read_text(errors="replace")
+            one[f"restore_{tag}"] = {
+                "rc": p.returncode,
+                "s": secs(t),
+                "log_tail": criu.log_tail(log_text, 25),
+            }
+            if p.returncode == 0:
+                one["check"] = c.check()
+                one["restored_pid"] = int(Path(pidfile).read_text())
+                one["handles_restored"] = handles(one["restored_pid"])
+                one["gpu_mib_restored"] = gpu_mib(one["restored_pid"])
+                break
+        return one
+
+
 def phase_criu(a: argparse.Namespace, work: Path) -> dict[str, Any]:
-    cdir = Path(a.criu_dir).resolve()
-    binary, plugins = str(cdir / "criu"), str(cdir / "plugins")
-    env = dict(os.environ, LD_LIBRARY_PATH=str(cdir / "lib"))
-    shim = work / "bin"
-    shim.mkdir(exist_ok=True)
-    (shim / "cuda-checkpoint").write_text(
-        "#!/bin/sh\nunset LD_LIBRARY_PATH\n"
-        f"PYTHONPATH={os.environ.get('PYTHONPATH', '')} exec {sys.executable} "
-        '-m rekindle_dev.cuda_checkpoint_cli "$@"\n'
-    )
-    (shim / "cuda-checkpoint").chmod(0o755)
-    env["PATH"] = f"{shim}:{env['PATH']}"
-    r: dict[str, Any] = {}
-    chk = subprocess.run([binary, "check"], capture_output=True, text=True, env=env, timeout=60)
-    r["criu_check"] = (chk.stdout + chk.stderr).strip()[-2000:]
-    info = subprocess.run([binary, "--version"], capture_output=True, text=True, env=env)
-    r["criu_version"] = info.stdout.strip()
+    cr = Criu(a.criu_dir, work)
+    r: dict[str, Any] = {"criu_check": cr.run("check"), "criu_version": cr.run("--version")}
     cases = [("torch", "torch"), ("nvml-left-open", "nvml")]
     if a.child == "cpu":
         cases = [("cpu", "cpu")]
     for name, mode in cases:
         c = Child(work, f"criu-{name}", mode, a.gib_criu)
-        images = c.ctl / "images"
-        images.mkdir()
-        one: dict[str, Any] = {"pid": c.pid}
         try:
-            t = time.monotonic()
-            log = str(c.ctl / "dump.log")
-            p = subprocess.run(
-                criu.dump_argv(binary, c.pid, str(images), log, plugins=plugins),
-                capture_output=True,
-                text=True,
-                env=env,
-                timeout=300,
-            )
-            one["dump"] = {"rc": p.returncode, "s": secs(t)}
-            one["dump_log_tail"] = criu.log_tail(Path(log).read_text(errors="replace"), 25)
-            size = sum(f.stat().st_size for f in images.iterdir())
-            one["images_mib"] = round(size / 2**20, 1)
-            if p.returncode != 0:
-                one["child_after_failed_dump"] = c.check() if c.proc.poll() is None else "dead"
-                continue
-            c.proc.wait(timeout=30)  # reap it: the restore needs its PID free
-            for mmap in (True, False):  # the mapped restore first; a copy if it fails
-                t = time.monotonic()
-                tag = "mmap" if mmap else "copy"
-                rlog, pidfile = str(c.ctl / f"restore-{tag}.log"), str(c.ctl / f"{tag}.pid")
-                argv = criu.restore_argv(
-                    binary, str(images), rlog, pidfile, mmap=mmap, plugins=plugins
-                )
-                p = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
-                log_text = Path(rlog).read_text(errors="replace")
-                one[f"restore_{tag}"] = {
-                    "rc": p.returncode,
-                    "s": secs(t),
-                    "log_tail": criu.log_tail(log_text, 25),
-                }
-                if p.returncode == 0:
-                    one["check"] = c.check()
-                    one["restored_pid"] = int(Path(pidfile).read_text())
-                    one["handles_restored"] = handles(one["restored_pid"])
-                    one["gpu_mib_restored"] = gpu_mib(one["restored_pid"])
-                    break
+            r[name] = cr.cycle(c, (True, False))  # the mapped restore first; a copy if it fails
         finally:
             c.kill()
-        r[name] = one
     return r
+
+
+def phase_criu_trials(a: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """Dump and restore times of the two restore arms, interleaved, on fresh children.
+
+    Both arms restore images CRIU has just written (in the page cache: warm for both)."""
+    cr = Criu(a.criu_dir, work)
+    mode = "cpu" if a.child == "cpu" else "torch"
+    arms: dict[str, list[dict[str, Any]]] = {"mmap": [], "copy": []}
+    for trial in range(a.trials):
+        order = ("mmap", "copy") if trial % 2 == 0 else ("copy", "mmap")
+        for arm in order:
+            c = Child(work, f"trial-{trial}-{arm}", mode, a.gib_criu)
+            try:
+                one = cr.cycle(c, (arm == "mmap",))
+            finally:
+                c.kill()
+            restore = one.get(f"restore_{arm}", {})
+            arms[arm].append(
+                {
+                    "dump_s": one["dump"]["s"],
+                    "restore_s": restore.get("s"),
+                    "ok": restore.get("rc") == 0 and one.get("check", {}).get("tensor_ok") is True,
+                    "images_mib": one["images_mib"],
+                }
+            )
+    out: dict[str, Any] = {"gib": a.gib_criu, "trials": arms}
+    for arm, rows in arms.items():
+        times = [row["restore_s"] for row in rows if row["ok"]]
+        out[f"{arm}_restore_median_s"] = statistics.median(times) if times else None
+        out[f"{arm}_dump_median_s"] = statistics.median(row["dump_s"] for row in rows)
+    return out
 
 
 def phase_h2d(a: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -379,6 +420,7 @@ PHASES: dict[str, Callable[[argparse.Namespace, Path], dict[str, Any]]] = {
     "driver": phase_driver,
     "nvml": phase_nvml,
     "criu": phase_criu,
+    "criu_trials": phase_criu_trials,
     "h2d": phase_h2d,
 }
 
@@ -395,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--phases", default=",".join(PHASES))
     p.add_argument("--gib", type=float, default=4.0, help="GPU tensor of the driver phase")
     p.add_argument("--gib-criu", type=float, default=1.0, help="GPU tensor of the CRIU phase")
+    p.add_argument("--trials", type=int, default=3, help="trials per arm of criu_trials")
     p.add_argument("--child", default="torch", help="cpu: try the CRIU phase without a GPU")
     p.add_argument("--budget-s", type=float, default=420.0, help="no phase starts after this")
     a = p.parse_args(args)
@@ -402,7 +445,13 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    results: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    results: dict[str, Any] = {
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "commit": os.environ.get("REKINDLE_COMMIT", "unknown"),
+        "command": " ".join(["python3 -m rekindle_dev.gpu_probe", *args]),
+        "machine": f"{platform.node()}: {os.cpu_count()} CPUs, kernel {platform.release()}",
+        "load_before": os.getloadavg(),
+    }
     for name in a.phases.split(","):
         if time.monotonic() - t0 > a.budget_s:
             results[name] = {"skipped": f"past the {a.budget_s} s budget"}

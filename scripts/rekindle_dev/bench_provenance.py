@@ -55,6 +55,13 @@ MEASURED_BY: dict[str, tuple[str, ...]] = {
     ),
     "cluster-up": ("scripts/local-cluster", "scripts/build-kubernetes", "scripts/bench-cluster-up"),
     "store": (_DEV + "bench_store.py", _DEV + "seaweedfs.py", "scripts/build-seaweedfs"),
+    "gpu": (
+        _DEV + "gpu_probe.py",
+        _DEV + "cuda_checkpoint_cli.py",
+        "images/runtime/rekindle_agent/checkpointing/nvidia_fds.py",
+        "images/runtime/rekindle_agent/checkpointing/criu.py",
+        "criu-patches",
+    ),
     "scale-out": (
         "operator/rekindle_operator",
         "charts/rekindle",
@@ -163,7 +170,7 @@ def check(
     """The Status of one results file: doc its JSON, shown its path for the reader,
     default the measured paths to assume where the file records none."""
     commit = str(doc.get("commit") or "")
-    date = str(doc.get("date") or (doc.get("meta") or {}).get("date") or "")
+    date = str(doc.get("date") or (doc.get("meta") or {}).get("date") or doc.get("started") or "")
     paths = tuple(doc.get("measured_paths") or sorted({*MEASURED_ALWAYS, *default}))
 
     def status(*stale: str) -> Status:

@@ -26,6 +26,8 @@ pytestmark = pytest.mark.criu
 REPO = Path(__file__).resolve().parents[2]
 FORCE_ENABLE = "138"  # FI_PLUGIN_CUDA_FORCE_ENABLE in CRIU 4.2.1's fault-injection.h
 LATE_RESUME_FAILED = "cuda_plugin: compel_wait_task failed after interrupt"
+DUMPED_ON = "GPU-b87c6cdd-84d9-f52b-9eec-9be13420493a"  # UUIDs of the form the driver gives
+POD_GPU = "GPU-e47a65c8-db51-ea8e-01ba-0568c2634db2"
 
 
 @pytest.fixture(scope="module")
@@ -44,26 +46,43 @@ def mock_dir() -> Path:
     return d
 
 
+def wrap_mock(mock_dir: Path, bindir: Path, calls: Path, device_map: bool = True) -> None:
+    """bindir/cuda-checkpoint: logs its argv, then runs the mock. device_map: it says it
+    takes --device-map (in -h, as NVIDIA's r580 tool does) and drops the option and its
+    value before the mock, which knows neither."""
+    bindir.mkdir(exist_ok=True)
+    takes_map = 'if [ "$1" = -h ]; then echo " --device-map <uuids>"; fi\n' if device_map else ""
+    drop_map = (
+        "skip=0\nfor a do\n\tshift\n\tif [ $skip = 1 ]; then skip=0; continue; fi\n"
+        '\tif [ "$a" = --device-map ]; then skip=1; continue; fi\n\tset -- "$@" "$a"\ndone\n'
+    )
+    wrapper = bindir / "cuda-checkpoint"
+    wrapper.write_text(
+        f'#!/bin/sh\necho "$*" >>{calls}\n{takes_map}{drop_map}'
+        f'exec {mock_dir / "cuda-checkpoint"} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+
+
 @pytest.fixture
 def logged_bin(mock_dir: Path, tmp_path: Path) -> tuple[Path, Path]:
     """(a bin dir whose cuda-checkpoint logs its argv then runs the mock, the call log)."""
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    calls = tmp_path / "calls.log"
-    wrapper = bindir / "cuda-checkpoint"
-    wrapper.write_text(
-        f'#!/bin/sh\necho "$*" >>{calls}\nexec {mock_dir / "cuda-checkpoint"} "$@"\n'
-    )
-    wrapper.chmod(0o755)
+    bindir, calls = tmp_path / "bin", tmp_path / "calls.log"
+    wrap_mock(mock_dir, bindir, calls)
     return bindir, calls
 
 
 def run_criu(
-    flavor: Flavor, args: list[str], path_first: Path | None, fault: bool
+    flavor: Flavor,
+    args: list[str],
+    path_first: Path | None,
+    fault: bool,
+    extra_env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """CRIU with the plugin dir, cuda-checkpoint's dir first on its PATH (path_first None:
     no cuda-checkpoint on its PATH at all, though this machine may have one), maybe fault 138."""
-    env = {k: v for k, v in os.environ.items() if k != "CRIU_FAULT"}
+    env = {k: v for k, v in os.environ.items() if k not in ("CRIU_FAULT", "CRIU_CUDA_DEVICE_MAP")}
+    env.update(extra_env or {})
     path = env.get("PATH", "/usr/bin:/bin")
     if path_first is not None:
         env["PATH"] = f"{path_first}:{path}"
@@ -201,14 +220,52 @@ def test_the_agents_own_criu_command_lines_drive_the_plugin(
         stopped=False,
     )
     assert "--leave-stopped" not in restore
-    restore = gpu_preflight.criu_env_argv(restore, cc, env.get("PATH"))
+    # Restored onto another GPU than the one it was dumped on: the map reaches the restore.
+    gpu_map = gpu_preflight.device_map(DUMPED_ON, [POD_GPU])
+    restore = gpu_preflight.criu_env_argv(restore, cc, env.get("PATH"), gpu_map)
     res = subprocess.run(restore, env=env, capture_output=True, text=True, timeout=CRIU_TIMEOUT)
     assert res.returncode == 0, log_tail(run / "restore.log")
     assert int((run / "restore.pid").read_text()) == root
     text = (run / "restore.log").read_text()
     assert f"cuda_plugin: resuming devices on pid {root}" in text
+    assert f"restoring pid {root} with device map {DUMPED_ON}={POD_GPU}" in text
     assert "cuda_plugin: finished cuda_plugin stage 2 err 0" in text
+    assert f"--action restore --pid {root} --device-map {DUMPED_ON}={POD_GPU}" in calls_of(calls)
     assert f"--action unlock --pid {root}" in calls_of(calls)
+    probe.verify_all()
+
+
+def test_a_device_map_without_a_cuda_checkpoint_that_takes_it_refuses_the_restore(
+    patched: Flavor, probe: Probe, mock_dir: Path, tmp_path: Path
+) -> None:
+    """A cuda-checkpoint older than r580 has no --device-map: restoring onto the dump-time
+    GPU instead of the pod's would be silently wrong, so the plugin refuses the restore
+    before any action; the same images then restore without a map (nothing lost)."""
+    bindir, calls = tmp_path / "bin", tmp_path / "calls.log"
+    wrap_mock(mock_dir, bindir, calls, device_map=False)
+    images = tmp_path / "images"
+    images.mkdir()
+    probe.start()
+    root = probe.root
+    res = run_criu(
+        patched, ["dump", "-t", str(root), "-D", str(images), "-o", "dump.log"], bindir, True
+    )
+    assert res.returncode == 0, log_tail(images / "dump.log")
+    if probe.popen is not None:
+        probe.popen.wait(timeout=30)
+    wait_gone(root)
+    calls.unlink()
+    restore = ["restore", "-D", str(images), "-d", "--pidfile", str(images / "pid")]
+    with_map = {"CRIU_CUDA_DEVICE_MAP": f"{DUMPED_ON}={POD_GPU}"}
+    res = run_criu(patched, [*restore, "-o", "refused.log"], bindir, True, with_map)
+    assert res.returncode != 0
+    text = (images / "refused.log").read_text()
+    assert "CRIU_CUDA_DEVICE_MAP is set but cuda-checkpoint has no --device-map" in text
+    assert not any("--action" in c for c in calls_of(calls)), calls_of(calls)
+    assert not cmdline_has(root, Probe.NAME)
+    res = run_criu(patched, [*restore, "-o", "restore.log"], bindir, True)
+    assert res.returncode == 0, log_tail(images / "restore.log")
+    assert f"--action restore --pid {root}" in calls_of(calls)
     probe.verify_all()
 
 

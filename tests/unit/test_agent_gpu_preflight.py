@@ -245,6 +245,27 @@ def test_criu_gets_cuda_checkpoint_first_on_path() -> None:
     assert res.stdout.strip() == "/x:/usr/bin:/bin"
 
 
+def test_device_map_pairs_the_checkpoints_gpus_with_the_pods_rank_by_rank() -> None:
+    a, b, c, d = (f"GPU-{i}{i}{i}{i}0000-0000-0000-0000-000000000000" for i in range(4))
+    assert gpu_preflight.device_map(f"{a},{b}", [c, d]) == f"{a}={c},{b}={d}"
+    assert gpu_preflight.device_map(f"{a},{b}", [b, a]) == f"{a}={b},{b}={a}"  # order kept
+    assert gpu_preflight.device_map(a, [a]) == ""  # every rank keeps its GPU: no map
+    with pytest.raises(ValueError, match=r"made on 2 GPU\(s\).*this pod has 1 .*tensor parallel"):
+        gpu_preflight.device_map(f"{a},{b}", [c])
+    with pytest.raises(ValueError, match="this pod has 0 \\(none\\)"):
+        gpu_preflight.device_map(a, [])
+    with pytest.raises(ValueError, match="does not record which GPUs"):
+        gpu_preflight.device_map(None, [a])
+
+
+def test_the_gpu_map_reaches_criu_through_its_environment() -> None:
+    out = gpu_preflight.criu_env_argv(["criu", "restore"], "/x/cc", "/bin", "GPU-a=GPU-b")
+    assert out == ["env", "PATH=/x:/bin", "CRIU_CUDA_DEVICE_MAP=GPU-a=GPU-b", "criu", "restore"]
+    assert "CRIU_CUDA_DEVICE_MAP" not in " ".join(
+        gpu_preflight.criu_env_argv(["criu"], "/x/cc", "/bin", "")
+    )
+
+
 def test_fingerprint_holds_the_cuda_identity(
     node: tuple[Path, Path, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:

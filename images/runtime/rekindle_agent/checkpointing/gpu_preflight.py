@@ -54,6 +54,8 @@ ACTIONS = ("lock", "checkpoint", "restore", "unlock")  # what the plugin runs
 MPS_PIPE_DEFAULT = "tmp/nvidia-mps"
 DEVICE_LIST_ENV = "NVIDIA_VISIBLE_DEVICES"
 CUDA_DEVICES_ENV = "CUDA_VISIBLE_DEVICES"
+# Read by the patched CUDA plugin (criu-patches/0007): the restore's GPU map.
+DEVICE_MAP_ENV = "CRIU_CUDA_DEVICE_MAP"
 
 # (argv) -> (exit code, stdout+stderr); a fake in tests.
 Runner = Callable[[Sequence[str]], tuple[int, str]]
@@ -352,14 +354,45 @@ def check(
     return Preflight(facts, problems)
 
 
-def criu_env_argv(argv: list[str], cuda_checkpoint: str | None, base_path: str | None) -> list[str]:
-    """argv run through env(1) with cuda-checkpoint's directory first on PATH.
+def device_map(saved: str | None, allocated: Sequence[str]) -> str:
+    """The restore's GPU map for cuda-checkpoint, "old=new,...", rank by rank; "" when
+    every rank keeps its GPU.
+
+    saved: the checkpoint's GPUs (its fingerprint's gpu_uuid, in CUDA order, which is
+    rank order: vLLM was pinned to them in that order); allocated: this pod's, in the
+    same order. Without a map the driver puts the memory back on the dump-time GPU,
+    which is another pod's on this node and does not exist on another node. Raises
+    ValueError, saying what to change, when the counts differ or saved is unknown.
+    """
+    old = [u for u in (saved or "").split(",") if u]
+    if not old:
+        raise ValueError(
+            "the checkpoint does not record which GPUs it was made on: checkpoint again"
+        )
+    if len(old) != len(allocated):
+        raise ValueError(
+            f"the checkpoint was made on {len(old)} GPU(s) ({','.join(old)}), this pod has "
+            f"{len(allocated)} ({','.join(allocated) or 'none'}): request as many GPUs as the "
+            "checkpoint's tensor parallel size"
+        )
+    if old == list(allocated):
+        return ""
+    return ",".join(f"{a}={b}" for a, b in zip(old, allocated, strict=True))
+
+
+def criu_env_argv(
+    argv: list[str], cuda_checkpoint: str | None, base_path: str | None, gpu_map: str = ""
+) -> list[str]:
+    """argv run through env(1) with cuda-checkpoint's directory first on PATH, and the
+    restore's GPU map (device_map) where there is one.
 
     CRIU's plugin runs `cuda-checkpoint` by name (execvp): the one it finds
-    must be the one the preflight checked.
+    must be the one the preflight checked. The patched plugin (criu-patches/0007)
+    passes DEVICE_MAP_ENV on to cuda-checkpoint's restore action as --device-map.
     """
     if not cuda_checkpoint:
         return argv
     first = os.path.dirname(os.path.abspath(cuda_checkpoint))
     path = f"{first}:{base_path}" if base_path else first
-    return ["env", f"PATH={path}", *argv]
+    extra = [f"{DEVICE_MAP_ENV}={gpu_map}"] if gpu_map else []
+    return ["env", f"PATH={path}", *extra, *argv]

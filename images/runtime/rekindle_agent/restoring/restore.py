@@ -199,6 +199,16 @@ def restore(
         problems = fingerprint.mismatches(man["fingerprint"], fp())
         if problems:
             raise RestoreError("fingerprint_mismatch", "; ".join(problems))
+        gpu_map = ""
+        if cfg.device == "cuda":
+            # Onto this pod's GPUs, rank by rank, or not at all (a count that differs).
+            try:
+                gpu_map = gpu_preflight.device_map(
+                    man["fingerprint"].get("gpu_uuid"),
+                    gpu_preflight.allocated_devices(os.environ),
+                )
+            except ValueError as e:
+                raise RestoreError("fingerprint_mismatch", str(e)) from e
         try:
             manifest_io.check_files(ckpt, files)
         except manifest_io.ManifestError as e:
@@ -248,7 +258,8 @@ def restore(
             if not gpu.ok:
                 raise RestoreError("criu_restore_failed", gpu.message())
             cuda = gpu.facts.cuda_checkpoint
-            env_argv = lambda a: gpu_preflight.criu_env_argv(a, cuda, os.environ.get("PATH"))  # noqa: E731
+            path = os.environ.get("PATH")
+            env_argv = lambda a: gpu_preflight.criu_env_argv(a, cuda, path, gpu_map)  # noqa: E731
         opts = RestoreOptions(
             mmap=decision.use,
             mmap_heap=decision.heap,

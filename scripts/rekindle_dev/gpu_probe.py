@@ -186,6 +186,18 @@ def gpu_mib(pid: int) -> int | None:
     return None
 
 
+def rss_mib(pid: int) -> float | None:
+    """The process's resident host memory (VmRSS), MiB: where the driver's checkpoint
+    action puts the GPU memory it saves."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        return None
+    return None
+
+
 def handles(pid: int) -> list[str]:
     return [str(h) for h in nvidia_fds.scan(pid)]
 
@@ -227,9 +239,10 @@ def phase_driver(a: argparse.Namespace, work: Path) -> dict[str, Any]:
         r["handles_running"] = handles(c.pid)
         cycles = []
         for name, dmap in (("identity-map", f"{c.gpu}={c.gpu}"), ("no-map", "")):
-            cyc: dict[str, Any] = {"name": name}
+            cyc: dict[str, Any] = {"name": name, "rss_mib_running": rss_mib(c.pid)}
             cyc["lock"] = cli("--action", "lock", "--pid", pid, "--timeout", "10000")
             cyc["checkpoint"] = cli("--action", "checkpoint", "--pid", pid)
+            cyc["rss_mib_checkpointed"] = rss_mib(c.pid)
             cyc["state"] = cli("--get-state", "--pid", pid)["out"]
             cyc["restore_tid"] = cli("--get-restore-tid", "--pid", pid)["out"]
             cyc["gpu_mib_checkpointed"] = gpu_mib(c.pid)
@@ -396,6 +409,69 @@ def phase_criu_trials(a: argparse.Namespace, work: Path) -> dict[str, Any]:
     return out
 
 
+def phase_criu_map(a: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """criu-patches/0007 on a real restore, through the agent's own env argv: a map naming
+    a GPU the process never used, then a map onto its own GPU, from the same images. What
+    a failed CUDA restore leaves behind (CRIU's exit status, the driver's state, whether
+    the process answers) is recorded, not assumed."""
+    cr = Criu(a.criu_dir, work)
+    mode = "cpu" if a.child == "cpu" else "torch"
+    c = Child(work, "criu-map", mode, a.gib_criu)
+    gpu = c.gpu if mode == "torch" else "GPU-" + str(uuid.uuid4())
+    wrong = "GPU-" + str(uuid.uuid4())
+    images = c.ctl / "images"
+    images.mkdir()
+    shim_cc = str(work / "bin" / "cuda-checkpoint")
+    r: dict[str, Any] = {"gpu": gpu}
+    try:
+        log = str(c.ctl / "dump.log")
+        argv = criu.dump_argv(cr.binary, c.pid, str(images), log, plugins=cr.plugins)
+        p = subprocess.run(argv, capture_output=True, text=True, env=cr.env, timeout=300)
+        r["dump_rc"] = p.returncode
+        if p.returncode != 0:
+            r["dump_log_tail"] = criu.log_tail(Path(log).read_text(errors="replace"), 25)
+            return r
+        c.proc.wait(timeout=30)
+        for tag, gpu_map in (("wrong_map", f"{wrong}={gpu}"), ("same_gpu_map", f"{gpu}={gpu}")):
+            for f in [*c.ctl.glob("go-*"), *c.ctl.glob("result-*")]:
+                f.unlink()
+            c.checks = 0
+            rlog, pidfile = str(c.ctl / f"restore-{tag}.log"), str(c.ctl / f"{tag}.pid")
+            argv = criu.restore_argv(
+                cr.binary, str(images), rlog, pidfile, mmap=True, plugins=cr.plugins
+            )
+            argv = gpu_preflight.criu_env_argv(argv, shim_cc, cr.env["PATH"], gpu_map)
+            t = time.monotonic()
+            p = subprocess.run(argv, capture_output=True, text=True, env=cr.env, timeout=300)
+            text = Path(rlog).read_text(errors="replace")
+            one: dict[str, Any] = {
+                "map": gpu_map,
+                "rc": p.returncode,
+                "s": secs(t),
+                "map_logged": f"with device map {gpu_map}" in text,
+                "log_tail": criu.log_tail(text, 25),
+            }
+            r[tag] = one
+            if p.returncode != 0:
+                continue
+            pid = int(Path(pidfile).read_text())
+            one["state"] = cli("--get-state", "--pid", str(pid))
+            try:
+                one["check"] = c.check(timeout=20)
+            except TimeoutError as e:
+                one["check"] = f"no answer: {str(e)[:300]}"
+            if isinstance(one["check"], dict) and one["check"].get("tensor_ok"):
+                break
+            with contextlib.suppress(ProcessLookupError):  # broken: free its PID, go on
+                os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+    finally:
+        c.kill()
+    return r
+
+
 def phase_h2d(a: argparse.Namespace, work: Path) -> dict[str, Any]:
     import torch
 
@@ -421,6 +497,7 @@ PHASES: dict[str, Callable[[argparse.Namespace, Path], dict[str, Any]]] = {
     "nvml": phase_nvml,
     "criu": phase_criu,
     "criu_trials": phase_criu_trials,
+    "criu_map": phase_criu_map,
     "h2d": phase_h2d,
 }
 

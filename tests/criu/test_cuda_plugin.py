@@ -46,11 +46,24 @@ def mock_dir() -> Path:
     return d
 
 
-def wrap_mock(mock_dir: Path, bindir: Path, calls: Path, device_map: bool = True) -> None:
+def wrap_mock(
+    mock_dir: Path, bindir: Path, calls: Path, device_map: bool = True, fail_restore: bool = False
+) -> None:
     """bindir/cuda-checkpoint: logs its argv, then runs the mock. device_map: it says it
     takes --device-map (in -h, as NVIDIA's r580 tool does) and drops the option and its
-    value before the mock, which knows neither."""
+    value before the mock, which knows neither. fail_restore: the restore action fails as
+    the driver's did on an H100 (a map naming a GPU the process never used), after which
+    --get-state answers 'checkpointed', as the driver did."""
     bindir.mkdir(exist_ok=True)
+    failed = bindir / "restore-failed"
+    fails = (
+        f'case " $* " in *" --action restore "*) echo "restore: CUDA_ERROR_INVALID_VALUE (1)"; '
+        f"touch {failed}; exit 1;; esac\n"
+        f'case " $* " in *" --get-state "*) if [ -e {failed} ]; then echo checkpointed; '
+        "exit 0; fi;; esac\n"
+        if fail_restore
+        else ""
+    )
     takes_map = 'if [ "$1" = -h ]; then echo " --device-map <uuids>"; fi\n' if device_map else ""
     drop_map = (
         "skip=0\nfor a do\n\tshift\n\tif [ $skip = 1 ]; then skip=0; continue; fi\n"
@@ -58,7 +71,7 @@ def wrap_mock(mock_dir: Path, bindir: Path, calls: Path, device_map: bool = True
     )
     wrapper = bindir / "cuda-checkpoint"
     wrapper.write_text(
-        f'#!/bin/sh\necho "$*" >>{calls}\n{takes_map}{drop_map}'
+        f'#!/bin/sh\necho "$*" >>{calls}\n{fails}{takes_map}{drop_map}'
         f'exec {mock_dir / "cuda-checkpoint"} "$@"\n'
     )
     wrapper.chmod(0o755)
@@ -355,3 +368,38 @@ def test_leave_stopped_hangs_the_plugins_late_resume(
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_failed_cuda_resume_is_found_right_after_criu_which_exits_0(
+    patched: Flavor, probe: Probe, mock_dir: Path, tmp_path: Path
+) -> None:
+    """CRIU 4.2.1 exits 0 although the plugin's restore action failed (on an H100 the
+    process then stayed 'checkpointed' and never answered). The agent asks cuda-checkpoint
+    for the restored tree's state right after CRIU (restoring/cuda_resume.py) and finds
+    the failure there, instead of waiting for vLLM's health to time out."""
+    from rekindle_agent.process_tree import proctree
+    from rekindle_agent.restoring import cuda_resume
+
+    bindir, calls = tmp_path / "bin", tmp_path / "calls.log"
+    wrap_mock(mock_dir, bindir, calls, fail_restore=True)
+    images = tmp_path / "images"
+    images.mkdir()
+    probe.start()
+    root = probe.root
+    res = run_criu(
+        patched, ["dump", "-t", str(root), "-D", str(images), "-o", "dump.log"], bindir, True
+    )
+    assert res.returncode == 0, log_tail(images / "dump.log")
+    if probe.popen is not None:
+        probe.popen.wait(timeout=30)
+    wait_gone(root)
+    cc = str(bindir / "cuda-checkpoint")
+    restore = ["restore", "-D", str(images), "-d", "--pidfile", str(images / "pid")]
+    res = run_criu(patched, [*restore, "-o", "restore.log"], bindir, True)
+    text = (images / "restore.log").read_text()
+    assert res.returncode == 0, "CRIU now fails a failed CUDA resume itself: see the docstring"
+    assert "RESUME_DEVICES RESTORE failed with restore: CUDA_ERROR_INVALID_VALUE" in text
+    assert cuda_resume.states(cc, [root]) == {root: "checkpointed"}
+    assert f"pid {root} is checkpointed" in cuda_resume.not_resumed(
+        cuda_resume.states(cc, proctree.tree(root))
+    )

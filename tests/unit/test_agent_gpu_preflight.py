@@ -422,3 +422,27 @@ def test_agent_pins_vllm_to_its_gpu_and_fingerprints_the_cuda_parts(
         assert "no NVIDIA driver" in caplog.text and "refused until fixed" in caplog.text
     finally:
         agent.reaper.stop()
+
+
+def test_a_cuda_state_other_than_running_is_a_failed_resume() -> None:
+    """restoring/cuda_resume: what cuda-checkpoint --get-state says per process; a process
+    CUDA does not know (an error) has nothing to resume."""
+    from rekindle_agent.restoring import cuda_resume
+
+    answers = {
+        "10": (0, "running\n"),
+        "11": (0, "checkpointed\n"),
+        "12": (1, "cuda-checkpoint: get-state: CUDA_ERROR_NOT_INITIALIZED (3)"),
+        "13": (0, "locked"),
+    }
+    seen: list[list[str]] = []
+
+    def run(argv: Sequence[str]) -> tuple[int, str]:
+        seen.append(list(argv))
+        return answers[argv[-1]]
+
+    found = cuda_resume.states("/x/cuda-checkpoint", [10, 11, 12, 13], run)
+    assert found == {10: "running", 11: "checkpointed", 13: "locked"}
+    assert seen[0] == ["/x/cuda-checkpoint", "--get-state", "--pid", "10"]
+    assert cuda_resume.not_resumed(found) == ["pid 11 is checkpointed", "pid 13 is locked"]
+    assert cuda_resume.not_resumed({10: "running"}) == []

@@ -42,7 +42,7 @@ from rekindle_agent.checkpointing.criu_backend import (
 from rekindle_agent.config import AgentConfig
 from rekindle_agent.mapped_files import mmap_policy, weights_map
 from rekindle_agent.process_tree import proctree, shm_files
-from rekindle_agent.restoring import prefetch
+from rekindle_agent.restoring import cuda_resume, prefetch
 from rekindle_agent.supervision.vllm_control import VllmCallError, VllmControl
 from rekindle_agent.supervision.vllm_process import VllmProcess
 
@@ -245,6 +245,7 @@ def restore(
 
         wait_pids_free(list(dumped.get("pids", [dumped["root_pid"]])))
         env_argv = None
+        cuda_cc: str | None = None
         if cfg.device == "cuda":
             # The same preflight as a GPU checkpoint: CRIU's CUDA plugin would turn
             # itself off silently and the restored tree would have no GPU state.
@@ -257,7 +258,7 @@ def restore(
             )
             if not gpu.ok:
                 raise RestoreError("criu_restore_failed", gpu.message())
-            cuda = gpu.facts.cuda_checkpoint
+            cuda_cc = cuda = gpu.facts.cuda_checkpoint
             path = os.environ.get("PATH")
             env_argv = lambda a: gpu_preflight.criu_env_argv(a, cuda, path, gpu_map)  # noqa: E731
         opts = RestoreOptions(
@@ -280,6 +281,17 @@ def restore(
             decision = mmap_policy.Decision(False, backend.copied)
         vllm.adopt(restored_root)
         t = mark("criu_restore", t)
+        if cuda_cc is not None:
+            failed = cuda_resume.not_resumed(
+                cuda_resume.states(cuda_cc, proctree.tree(restored_root))
+            )
+            if failed:
+                raise RestoreError(
+                    "criu_restore_failed",
+                    f"CUDA did not resume in the restored tree ({'; '.join(failed)}); "
+                    "CRIU's restore log names cuda-checkpoint's error",
+                )
+            t = mark("cuda_state", t)
 
         if pre is not None and cfg.device != "cuda":
             # The memory pages and files the tree uses: it is still stopped. The

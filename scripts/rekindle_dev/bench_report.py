@@ -832,6 +832,8 @@ def section_gpu(res: Results) -> str:
     left = {m: nvml[m]["handles_checkpointed"] for m in ("nvml", "nvml-closed")}
     torch_crit = crit["torch"]
     cli_lock = statistics.median([c["lock"]["s"] for c in cycles])
+    same, bad = doc["criu_map"].get("same_gpu_map", {}), doc["criu_map"].get("wrong_map", {})
+    same_ok = isinstance(same.get("check"), dict) and same["check"].get("tensor_ok") is True
     lines = [
         source_note(res, "gpu"),
         "",
@@ -859,6 +861,16 @@ def section_gpu(res: Results) -> str:
         f"- A restore with a device map onto the same GPU worked; a map naming a GPU the "
         f"process never used was refused (`{wrong.get('out', '?')}`), and the process then "
         "restored intact. Restoring onto another GPU needs a machine with two.",
+        f"- The driver's checkpoint action moved the GPU memory into the process: resident "
+        f"host memory {cycles[0]['rss_mib_running']:.0f} MiB before, "
+        f"{cycles[0]['rss_mib_checkpointed']:.0f} MiB checkpointed ({drv['gpu_mib_before']} "
+        "MiB were on the GPU): the host copy is the GPU memory still in use.",
+        f"- Device map through the agent's own CRIU command line and criu-patches/0007: onto "
+        f"the process's own GPU, restored and bit-exact "
+        f"({'yes' if same_ok else 'NO'}); "
+        f"naming a GPU it never used, the driver refused the restore and **CRIU still exited "
+        f"{bad.get('rc')}**, the process left `{(bad.get('state') or {}).get('out')}` and not "
+        "answering: why the agent asks cuda-checkpoint for the state right after CRIU.",
         f"- One command-line action costs about {cli_lock:.2f} s "
         f"(interpreter and driver start) against {drv['in_process']['lock']:.4f} s in-process.",
         f"- Host to device: pinned {h2d['pinned']['median']:.1f} GB/s, pageable "

@@ -49,6 +49,17 @@ from rekindle_agent.checkpointing import criu, gpu_preflight, nvidia_fds
 
 from rekindle_dev.cuda_checkpoint_cli import Driver
 
+# What the numbers depend on (bench_provenance reads it): the driver-facing code the probe
+# runs, not the whole agent (no vLLM, no restore flow runs here).
+MEASURED_PATHS = (
+    "criu-patches",
+    "scripts/build-criu",
+    "images/runtime/rekindle_agent/checkpointing/criu.py",
+    "images/runtime/rekindle_agent/checkpointing/gpu_preflight.py",
+    "images/runtime/rekindle_agent/checkpointing/nvidia_fds.py",
+    "scripts/rekindle_dev/gpu_probe.py",
+    "scripts/rekindle_dev/cuda_checkpoint_cli.py",
+)
 CHILD_READY_S = 180.0
 ACTION_TIMEOUT_S = 120.0
 CLI = [sys.executable, "-m", "rekindle_dev.cuda_checkpoint_cli"]
@@ -524,7 +535,10 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     results: dict[str, Any] = {
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "commit": os.environ.get("REKINDLE_COMMIT", "unknown"),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        # The machine gets a copy of the tree without .git: the caller names the commit.
+        "commit": os.environ.get("REKINDLE_COMMIT", ""),
+        "measured_paths": list(MEASURED_PATHS),
         "command": " ".join(["python3 -m rekindle_dev.gpu_probe", *args]),
         "machine": f"{platform.node()}: {os.cpu_count()} CPUs, kernel {platform.release()}",
         "load_before": os.getloadavg(),

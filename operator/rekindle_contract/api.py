@@ -61,6 +61,7 @@ FALLBACK_REASONS = (
     "criu_restore_failed",
     "wake_failed",
     "verify_failed",
+    "canary_mismatch",  # the restored vLLM answers the checkpoint's canary prompts differently
     "signature_invalid",  # unsigned, altered, or signed with another service's key
     "prefetch_timeout",  # the content check did not finish within --prefetch-timeout
     "pointer_refused",  # the restore pointer lacks the operator's valid signature
@@ -71,6 +72,7 @@ FALLBACK_REASONS = (
 # checkpoint directory is removed.
 CHECKPOINT_FAILURE_REASONS = (
     "drain_timeout",  # in-flight requests outlived --drain-timeout; nothing was touched
+    "canary_failed",  # vLLM did not answer the canary prompts; nothing was touched
     "io_uring",  # the tree holds an io_uring CRIU cannot dump
     "release_failed",  # the weights could not be dumped or released
     "insufficient_space",  # refused before draining: the estimate does not fit the volume

@@ -41,6 +41,7 @@ class Manifest(TypedDict, total=False):
     environment: dict[str, Any]  # recorded, not enforced (kernel, CRIU version, host)
     vllm: dict[str, Any]  # argv, port, root pid, all pids of the tree, run_dir
     weights: dict[str, Any]  # released: bool, dir, reason
+    canary: dict[str, Any]  # prompts, max_tokens, answers (tokens, logprobs): checked after restore
     shm_files: list[dict[str, Any]]  # name, size, mode (saved under shm/)
     extra_files: list[dict[str, Any]]  # absolute path -> saved copy under files/
     criu: dict[str, Any]  # binary, version, dump flags

@@ -299,6 +299,10 @@ class RecordingControl:
     def __init__(self) -> None:
         self.calls: list[str] = []
 
+    def greedy(self, model: str, prompts: list[str], max_tokens: int) -> list[dict[str, Any]]:
+        self.calls.append("canary")
+        return [{"tokens": ["x"] * max_tokens, "logprobs": [-1.0] * max_tokens} for _ in prompts]
+
     def dump_weights(self, d: str) -> None:
         self.calls.append("dump_weights")
 
@@ -373,7 +377,7 @@ def test_gpu_checkpoint_hands_criu_the_plugin_and_path(
     i = argv.index("-L")
     assert argv[i + 1] == str(node[1])
     # the (recorded) dump failed: the release is undone and vLLM keeps serving
-    assert control.calls == ["dump_weights", "release_weights", "wake"]
+    assert control.calls == ["canary", "dump_weights", "release_weights", "wake"]
     assert err.reason == "criu_failed" and err.serving
 
 

@@ -29,6 +29,17 @@ class _Fake(BaseHTTPRequestHandler):
                     f"'{body['method']}'"
                 },
             )
+        elif self.path == "/v1/completions" and isinstance(body["prompt"], list):
+            # vLLM's shape with logprobs=1, the choices not in the prompts' order
+            choices = [
+                {
+                    "index": i,
+                    "text": f" t{i}",
+                    "logprobs": {"tokens": [f" t{i}"], "token_logprobs": [-0.5 * i]},
+                }
+                for i in range(len(body["prompt"]))
+            ]
+            self._reply(200, {"choices": choices[::-1]})
         elif self.path == "/v1/completions":
             self._reply(200, {"choices": [{"text": " the"}]})
         elif self.path.startswith("/sleep"):
@@ -314,3 +325,25 @@ def test_without_the_extension_cpu_dumps_unreleased_gpu_refuses(tmp_path: Path) 
     # Any other AttributeError fails the checkpoint, on CPU too: never a silent no-release.
     with pytest.raises(checkpoint.CheckpointError, match="dumping the weights failed"):
         checkpoint._release(_DumpFails("cpu", INSIDE), tmp_path / "w")  # type: ignore[arg-type]
+
+
+def test_greedy_asks_once_for_every_prompt_with_logprobs_in_their_order(fake: str) -> None:
+    c = VllmControl(fake, "cpu")
+    got = c.greedy("tiny", ["a", "b", "c"], 4)
+    assert got == [
+        {"tokens": [" t0"], "logprobs": [-0.0]},
+        {"tokens": [" t1"], "logprobs": [-0.5]},
+        {"tokens": [" t2"], "logprobs": [-1.0]},
+    ]
+    assert _Fake.seen == [
+        (
+            "/v1/completions",
+            {
+                "model": "tiny",
+                "prompt": ["a", "b", "c"],
+                "max_tokens": 4,
+                "temperature": 0.0,
+                "logprobs": 1,
+            },
+        )
+    ]

@@ -10,6 +10,7 @@ bad checkpoint falls back to a real boot that serves, and that booted server
 
 from __future__ import annotations
 
+import math
 import json
 import time
 import urllib.error
@@ -69,6 +70,14 @@ def test_checkpoint_manifest_and_verification(tiny_ckpt: TinyCheckpoint) -> None
     assert tiny_ckpt.status["timings"]["checkpoint"]["criu_dump"] > 0
     on_disk = json.loads((tiny_ckpt.path / "manifest.json").read_text())
     assert on_disk["verified"]["restore_seconds"]["total"] > 0
+    # The canary: greedy tokens and logprobs of fixed prompts, recorded at the checkpoint and
+    # compared by the proving restore (a phase of its own) before the proof was written.
+    can = man["canary"]
+    assert len(can["answers"]) == len(can["prompts"]) == 3, can
+    for answer in can["answers"]:
+        assert len(answer["tokens"]) == len(answer["logprobs"]) == can["max_tokens"], can
+        assert all(math.isfinite(x) and x <= 0 for x in answer["logprobs"]), can
+    assert on_disk["verified"]["restore_seconds"]["canary"] > 0
     # The verification restore serves the same greedy completions as before the dump.
     assert tiny_ckpt.after_verify == tiny_ckpt.before
     # ... and it copied the memory, so this pod can be checkpointed again.
@@ -283,12 +292,23 @@ def _other_vllm(ckpt: Path) -> None:
     edit_manifest(ckpt, change)
 
 
+def _other_canary(ckpt: Path) -> None:
+    """What a restore that computes something else looks like to the agent: one logprob of
+    the recorded canary differs by more than the tolerance (0.5 nats)."""
+
+    def change(doc: dict[str, Any]) -> None:
+        doc["canary"]["answers"][1]["logprobs"][0] -= 0.5
+
+    edit_manifest(ckpt, change)
+
+
 @pytest.mark.parametrize(
     ("damage", "reason"),
     [
         (_corrupt_pages, "checksum_mismatch"),
         (_remove_core, "file_missing"),
         (_other_vllm, "fingerprint_mismatch"),
+        (_other_canary, "canary_mismatch"),
     ],
 )
 def test_bad_checkpoint_is_refused_with_its_reason(

@@ -40,6 +40,7 @@ from rekindle_agent.config import AgentConfig
 from rekindle_agent.confinement import io_uring
 from rekindle_agent.mapped_files import mmap_policy
 from rekindle_agent.process_tree import proctree, shm_files
+from rekindle_agent.supervision import canary
 from rekindle_agent.supervision.vllm_control import VllmCallError, VllmControl, missing_method
 from rekindle_agent.supervision.vllm_process import VllmProcess
 
@@ -172,6 +173,15 @@ def checkpoint(
     except OSError as e:
         raise CheckpointError(f"cannot create {ckpt}: {e}", reason=os_reason(e)) from e
 
+    try:  # what every restore from it must answer the same (canary.py)
+        recorded = canary.record(control, cfg.served_name)
+    except VllmCallError as e:
+        raise CheckpointError(
+            f"the canary completion failed before anything was touched: {e}",
+            reason="canary_failed",
+        ) from e
+    t = _mark(phases, "canary", t)
+
     weights, release_phases = _release(control, weights_dir)
     phases.update(release_phases)
     t = _mark(phases, "release_total", t)
@@ -266,6 +276,7 @@ def checkpoint(
                 "device": cfg.device,
             },
             "weights": weights,
+            "canary": recorded,
             "shm_files": shm_records,
             "extra_files": extra,
             "criu": {

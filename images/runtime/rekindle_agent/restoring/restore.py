@@ -43,6 +43,7 @@ from rekindle_agent.config import AgentConfig
 from rekindle_agent.mapped_files import mmap_policy, weights_map
 from rekindle_agent.process_tree import proctree, shm_files
 from rekindle_agent.restoring import cuda_resume, prefetch
+from rekindle_agent.supervision import canary
 from rekindle_agent.supervision.vllm_control import VllmCallError, VllmControl
 from rekindle_agent.supervision.vllm_process import VllmProcess
 
@@ -334,7 +335,19 @@ def restore(
             control.complete_one(cfg.served_name)
         except VllmCallError as e:
             raise RestoreError("verify_failed", f"one-token completion failed: {e}") from e
-        mark("first_token", t)
+        t = mark("first_token", t)
+        if man.get("canary"):  # checkpoints made before the canary have none
+            try:
+                differ = canary.check(control, cfg.served_name, man["canary"])
+            except VllmCallError as e:
+                raise RestoreError("verify_failed", f"the canary completion failed: {e}") from e
+            if differ:
+                raise RestoreError(
+                    "canary_mismatch",
+                    "the restored vLLM answers the canary prompts differently from the one "
+                    f"checkpointed: {'; '.join(differ)}",
+                )
+            mark("canary", t)
         phases["total"] = time.monotonic() - t_start
         return phases, decision
     except BaseException:

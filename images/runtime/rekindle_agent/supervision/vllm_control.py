@@ -156,6 +156,34 @@ class VllmControl:
         """Seconds until vLLM's /health answered 200 (see wait_health)."""
         return wait_health(self.base_url, timeout, alive)
 
+    def greedy(self, model: str, prompts: list[str], max_tokens: int) -> list[dict[str, Any]]:
+        """Greedy completions of prompts (one request): per prompt, its tokens and their
+        logprobs, in the prompts' order."""
+        out = self._post(
+            "/v1/completions",
+            {
+                "model": model,
+                "prompt": prompts,
+                "max_tokens": max_tokens,
+                "temperature": 0.0,
+                "logprobs": 1,
+            },
+        )
+        try:
+            choices = sorted(out["choices"], key=lambda c: int(c["index"]))
+            answers = [
+                {
+                    "tokens": list(c["logprobs"]["tokens"]),
+                    "logprobs": [float(x) for x in c["logprobs"]["token_logprobs"]],
+                }
+                for c in choices
+            ]
+        except (KeyError, TypeError, ValueError) as e:
+            raise VllmCallError("/v1/completions", 200, f"no logprobs in the answer: {e!r}") from e
+        if len(answers) != len(prompts):
+            raise VllmCallError("/v1/completions", 200, f"{len(answers)} answers to {len(prompts)}")
+        return answers
+
     def complete_one(self, model: str, prompt: str = "Hello") -> str:
         """One greedy token: proof that the engine, its workers and the weights all work."""
         out = self._post(

@@ -10,8 +10,8 @@ bad checkpoint falls back to a real boot that serves, and that booted server
 
 from __future__ import annotations
 
-import math
 import json
+import math
 import time
 import urllib.error
 import urllib.request

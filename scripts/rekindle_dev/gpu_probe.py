@@ -483,6 +483,43 @@ def phase_criu_map(a: argparse.Namespace, work: Path) -> dict[str, Any]:
     return r
 
 
+def phase_criu_stopped(a: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """Does CRIU 4.2.1's CUDA plugin hang a restore with --leave-stopped on a real GPU, as
+    it does with CRIU's mock (tests/criu/test_cuda_plugin.py)? Bounded: a CRIU still
+    running after stopped_timeout_s is killed, and so is what it restored."""
+    cr = Criu(a.criu_dir, work)
+    mode = "cpu" if a.child == "cpu" else "torch"
+    c = Child(work, "criu-stopped", mode, a.gib_criu)
+    images = c.ctl / "images"
+    images.mkdir()
+    r: dict[str, Any] = {"timeout_s": a.stopped_timeout_s}
+    try:
+        log = str(c.ctl / "dump.log")
+        argv = criu.dump_argv(cr.binary, c.pid, str(images), log, plugins=cr.plugins)
+        r["dump_rc"] = subprocess.run(argv, env=cr.env, capture_output=True, timeout=300).returncode
+        if r["dump_rc"] != 0:
+            return r
+        c.proc.wait(timeout=30)
+        rlog, pidfile = str(c.ctl / "restore-stopped.log"), str(c.ctl / "stopped.pid")
+        argv = criu.restore_argv(
+            cr.binary, str(images), rlog, pidfile, mmap=True, plugins=cr.plugins, stopped=True
+        )
+        t = time.monotonic()
+        try:
+            p = subprocess.run(argv, env=cr.env, capture_output=True, timeout=a.stopped_timeout_s)
+            r["rc"], r["hung"] = p.returncode, False
+        except subprocess.TimeoutExpired:
+            r["hung"] = True
+        r["s"] = secs(t)
+        r["log_tail"] = criu.log_tail(Path(rlog).read_text(errors="replace"), 15)
+        if not r["hung"] and r.get("rc") == 0:
+            os.kill(c.pid, signal.SIGCONT)
+            r["check"] = c.check(timeout=30)
+    finally:
+        c.kill()
+    return r
+
+
 def phase_h2d(a: argparse.Namespace, work: Path) -> dict[str, Any]:
     import torch
 
@@ -509,6 +546,7 @@ PHASES: dict[str, Callable[[argparse.Namespace, Path], dict[str, Any]]] = {
     "criu": phase_criu,
     "criu_trials": phase_criu_trials,
     "criu_map": phase_criu_map,
+    "criu_stopped": phase_criu_stopped,
     "h2d": phase_h2d,
 }
 
@@ -525,6 +563,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--phases", default=",".join(PHASES))
     p.add_argument("--gib", type=float, default=4.0, help="GPU tensor of the driver phase")
     p.add_argument("--gib-criu", type=float, default=1.0, help="GPU tensor of the CRIU phase")
+    p.add_argument("--stopped-timeout-s", type=float, default=60.0, help="criu_stopped's bound")
     p.add_argument("--trials", type=int, default=3, help="trials per arm of criu_trials")
     p.add_argument("--child", default="torch", help="cpu: try the CRIU phase without a GPU")
     p.add_argument("--budget-s", type=float, default=420.0, help="no phase starts after this")

@@ -450,3 +450,26 @@ def test_a_cuda_state_other_than_running_is_a_failed_resume() -> None:
     assert seen[0] == ["/x/cuda-checkpoint", "--get-state", "--pid", "10"]
     assert cuda_resume.not_resumed(found) == ["pid 11 is checkpointed", "pid 13 is locked"]
     assert cuda_resume.not_resumed({10: "running"}) == []
+
+
+def test_a_gpu_restore_starts_criu_before_the_weight_dump_is_checked() -> None:
+    """restore.checked_before_criu: on GPU the tree runs as soon as CRIU is done, so all it
+    uses is checked first, but never the weight dump (only the reload reads it, and waits
+    for its check then); on CPU only what CRIU parses (the stopped tree waits for the rest)."""
+    from rekindle_agent.restoring import restore
+
+    files: list[Any] = [
+        {"path": p, "size": 1}
+        for p in (
+            "images/core-7.img",
+            "images/pages-1.img",
+            "shm/psm_1",
+            "weights/weights-rank0.bin",
+            "weights/index-rank0.json",
+        )
+    ]
+    gpu = restore.checked_before_criu("cuda", files)
+    assert gpu == {"images/core-7.img", "images/pages-1.img", "shm/psm_1"}
+    cpu = restore.checked_before_criu("cpu", files)
+    assert "images/core-7.img" in cpu and "images/pages-1.img" not in cpu
+    assert not any(p.startswith("weights/") for p in gpu | cpu)

@@ -18,7 +18,7 @@ has checked the memory pages and weights it restores from (restore.py), then
 gets SIGCONT. Not with the CUDA plugin: CRIU 4.2.1's plugin resumes and
 re-interrupts a thread of each task in its late hook, after CRIU has sent the
 tasks SIGSTOP, and then waits forever (tests/criu/test_cuda_plugin.py shows it);
-a GPU restore checks every file before CRIU runs instead.
+a GPU restore checks all the tree uses before CRIU runs instead.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from rekindle_contract.manifest import (
     SHM_SUBDIR,
     VERIFIED_NAME,
     WEIGHTS_SUBDIR,
+    FileEntry,
     Manifest,
 )
 from rekindle_store import manifest_io
@@ -49,6 +50,20 @@ from rekindle_agent.supervision.vllm_process import VllmProcess
 
 log = logging.getLogger("rekindle.restore")
 HEALTH_TIMEOUT_S = 60.0  # a restored server answers at once; this only bounds a hung one
+
+
+def checked_before_criu(device: str, files: list[FileEntry]) -> set[str]:
+    """The checkpoint files a restore checks before CRIU runs.
+
+    On CPU, the images CRIU parses: the tree is then restored stopped and waits
+    for the rest of what it uses. On GPU, all the tree uses, because CRIU 4.2.1's
+    CUDA plugin cannot leave it stopped (it runs as soon as CRIU is done). Never
+    the weight dump: only the reload reads it, once the tree is healthy, and it
+    waits for that check then, so on both the check overlaps CRIU and the wake.
+    """
+    if device == "cuda":
+        return prefetch.tree_paths(files)
+    return prefetch.critical_paths(files)
 
 
 class RestoreError(RuntimeError):
@@ -223,14 +238,9 @@ def restore(
                 deadline,
             )
             t = mark("checksums", t)
-        elif pre is not None and cfg.device == "cuda":
-            # Everything, before CRIU: a GPU tree runs as soon as CRIU is done (below).
-            phases["prefetch_total"] = _checked(pre, deadline)
-            t = mark("verify_all", t)
         elif pre is not None:
-            # What CRIU parses, before it does.
-            _checked(pre, deadline, prefetch.critical_paths(files))
-            t = mark("verify_critical", t)
+            _checked(pre, deadline, checked_before_criu(cfg.device, files))
+            t = mark("verify_tree" if cfg.device == "cuda" else "verify_critical", t)
 
         dumped = man["vllm"]
         try:
@@ -309,7 +319,7 @@ def restore(
             raise RestoreError("wake_failed", f"restored vLLM not healthy: {e}") from e
         t = mark("health", t)
 
-        if pre is not None and cfg.device != "cuda":
+        if pre is not None:
             # Nothing reads the weight dump before the reload does.
             phases["prefetch_total"] = _checked(pre, deadline)
             t = mark("weights_check_wait", t)

@@ -7,12 +7,16 @@ not yet recorded its proof made a good checkpoint fail as OperatorRestarted.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from rekindle_agent.agent import Agent
+from rekindle_agent.checkpointing import checkpoint
 from rekindle_agent.config import AgentConfig
 from rekindle_agent.restoring import restore
 from rekindle_store import manifest_io
@@ -50,3 +54,33 @@ def test_ready_comes_after_the_checkpoint_is_recorded(
     assert agent.status.last_checkpoint is not None
     assert agent.status.last_checkpoint["ok"] is True
     assert agent.status.last_checkpoint["dir"] == str(tmp_path / "c1")
+
+
+def test_the_files_a_tree_uses_below_the_run_dir_are_found(tmp_path: Path) -> None:
+    """checkpoint.run_dir_files on a real process: what it maps (a compiled kernel, say)
+    and holds open below the run dir, not what is saved otherwise, not what lies
+    outside, not a FIFO."""
+    run = tmp_path / "run"
+    (run / "cache").mkdir(parents=True)
+    kernel, opened, log = run / "cache" / "k.so", run / "cache" / "open.bin", run / "vllm.log"
+    outside = tmp_path / "elsewhere.bin"
+    for f in (kernel, opened, log, outside):
+        f.write_bytes(b"\0" * 4096)
+    fifo = run / "fifo"
+    os.mkfifo(fifo)
+    script = (
+        "import mmap, os, sys, time\n"
+        f"m = mmap.mmap(os.open({str(kernel)!r}, os.O_RDONLY), 0, prot=mmap.PROT_READ)\n"
+        f"keep = [open({str(opened)!r}, 'rb'), open({str(log)!r}, 'rb'),"
+        f" open({str(outside)!r}, 'rb'), os.open({str(fifo)!r}, os.O_RDWR)]\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        found = checkpoint.run_dir_files([p.pid], str(run), {str(log)})
+    finally:
+        p.kill()
+        p.wait()
+    assert found == [str(kernel), str(opened)]

@@ -29,3 +29,16 @@ def test_only_cpu_tensor_parallel_is_bound_and_a_user_value_wins() -> None:
     assert (
         vllm_env("cpu", base=mine, tensor_parallel_size=2)["VLLM_CPU_OMP_THREADS_BIND"] == "0-3|4-7"
     )
+
+
+def test_compile_caches_live_below_the_run_dir_unless_the_pod_says_otherwise() -> None:
+    """What vLLM, Inductor, Triton and FlashInfer compile is mapped by the tree for good:
+    below the run dir (the same path in every pod) a checkpoint carries it along."""
+    env = vllm_env("cuda", base={}, run_dir="/run/rekindle")
+    assert env["VLLM_CACHE_ROOT"] == "/run/rekindle/cache/vllm"
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == "/run/rekindle/cache/inductor"
+    assert env["TRITON_CACHE_DIR"] == "/run/rekindle/cache/triton"
+    assert env["FLASHINFER_WORKSPACE_BASE"] == "/run/rekindle/cache/flashinfer"
+    shared = vllm_env("cuda", base={"TRITON_CACHE_DIR": "/shared/triton"}, run_dir="/r")
+    assert shared["TRITON_CACHE_DIR"] == "/shared/triton"
+    assert "VLLM_CACHE_ROOT" not in vllm_env("cuda", base={})  # no run dir: left alone

@@ -110,6 +110,20 @@ def deleted_file_dirs(pids: list[int]) -> set[str]:
     return dirs
 
 
+def run_dir_files(pids: list[int], run_dir: str, saved: set[str]) -> list[str]:
+    """Regular files below run_dir that the tree maps or holds open, besides those saved
+    otherwise (saved: vLLM's log, link-remaps): what vLLM, Inductor and Triton compiled
+    into their caches there (vllm_launch.cache_env) and loaded. A new pod has none of
+    them, so the checkpoint keeps each one and the restore puts it back, byte for byte."""
+    found: set[str] = set()
+    for pid in pids:
+        found |= proctree.mapped_paths(pid)
+        found |= set(proctree.fd_targets(pid).values())
+    return sorted(
+        p for p in found if p not in saved and manifest_io.below(p, run_dir) and os.path.isfile(p)
+    )
+
+
 def save_extra(ckpt: Path, paths: list[str], exact: bool, start: int = 0) -> list[dict[str, Any]]:
     """Copy files the tree holds open into files/ (numbered from start); their records."""
     dest = ckpt / FILES_SUBDIR
@@ -250,6 +264,8 @@ def checkpoint(
         shm_records = shm_files.save(shm_names | shm_remaps, ckpt / SHM_SUBDIR)
         extra = save_extra(ckpt, [vllm.log_path], exact=False)
         extra += save_extra(ckpt, other_remaps, exact=True, start=1)
+        used = run_dir_files(pids, cfg.run_dir, {vllm.log_path, *other_remaps})
+        extra += save_extra(ckpt, used, exact=True, start=1 + len(other_remaps))
         t = _mark(phases, "save_files", t)
 
         entries: list[FileEntry] = []

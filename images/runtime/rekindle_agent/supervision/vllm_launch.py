@@ -147,7 +147,28 @@ def vllm_env(
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", bind)
     if run_dir is not None:
         env["TMPDIR"] = os.path.join(run_dir, "tmp")
+        for name, path in cache_env(run_dir).items():
+            env.setdefault(name, path)
     return env
+
+
+def cache_env(run_dir: str) -> dict[str, str]:
+    """Where vLLM, Inductor and Triton keep what they compile: below run_dir/cache.
+
+    A compiled kernel is loaded as a shared object, so the tree maps it from its
+    cache for good, and a restore must find the same file at the same path. By
+    default these caches live under $HOME and /tmp, which a new pod has empty;
+    below run_dir (the same path in every pod) the checkpoint saves the files
+    the tree uses and the restore puts them back (checkpoint.run_dir_files). A
+    value set in the pod's environment wins (e.g. a cache shared by all pods).
+    """
+    cache = os.path.join(run_dir, "cache")
+    return {
+        "VLLM_CACHE_ROOT": os.path.join(cache, "vllm"),
+        "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor"),
+        "TRITON_CACHE_DIR": os.path.join(cache, "triton"),
+        "FLASHINFER_WORKSPACE_BASE": os.path.join(cache, "flashinfer"),
+    }
 
 
 def vllm_command(cfg: AgentConfig) -> tuple[list[str], dict[str, str]]:

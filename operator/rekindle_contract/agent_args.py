@@ -46,6 +46,9 @@ class AgentArgs:
     )
     mm_shm_max_object_mb: int | None = _opt("largest object in that cache, MiB", default=None)
     prefix_caching: bool = _opt("vLLM automatic prefix caching", default=True)
+    cpu_compile: bool = _opt(
+        "on CPU, torch.compile (vLLM's default on GPU) instead of --enforce-eager", default=False
+    )
     kv_offload_gb: float | None = _opt("vLLM native CPU KV offload, GiB (unset: off)", default=None)
     worker_extension: str = _opt(
         "vLLM --worker-extension-cls; 'auto': Rekindle's if importable; 'none': off",

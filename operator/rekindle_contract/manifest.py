@@ -13,7 +13,10 @@ MANIFEST_NAME = "manifest.json"
 VERIFIED_NAME = "verified"  # written once a restore from the checkpoint served
 IMAGES_SUBDIR = "images"  # CRIU's image files
 SHM_SUBDIR = "shm"  # copies of the /dev/shm files the tree maps
-FILES_SUBDIR = "files"  # other files the tree holds open (vLLM's log, link-remaps)
+FILES_SUBDIR = "files"  # other files the tree holds open (vLLM's log, link-remaps, kernels)
+# Below the run dir: where vLLM, Inductor, Triton and FlashInfer keep what they compile,
+# so a checkpoint saves the kernels the tree maps and a restore puts them back.
+RUN_CACHE_SUBDIR = "cache"
 WEIGHTS_SUBDIR = "weights"  # the flat weight dump
 # The only places a manifest's files may live (first path component).
 SUBDIRS = (IMAGES_SUBDIR, SHM_SUBDIR, FILES_SUBDIR, WEIGHTS_SUBDIR)

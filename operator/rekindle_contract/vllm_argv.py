@@ -126,6 +126,7 @@ class VllmOptions:
     mm_shm_cache_gb: float | None = None  # None: vLLM's default cache type
     mm_shm_max_object_mb: int | None = None
     prefix_caching: bool = True
+    cpu_compile: bool = False  # on CPU: torch.compile, not --enforce-eager
     kv_offload_gb: float | None = None  # vLLM's native CPU KV offload
     # A directory of KV blocks shared by pods (vLLM's file-system offload tier,
     # behind the CPU offload of kv_offload_gb); None: off. GPU only.
@@ -155,8 +156,9 @@ def vllm_argv(opts: VllmOptions, python: str = sys.executable) -> list[str]:
     if opts.tensor_parallel_size > 1:
         cmd += ["--tensor-parallel-size", str(opts.tensor_parallel_size)]
     if opts.device == "cpu":
-        # No CUDA graphs and no inductor on CPU: eager is what boots fastest.
-        cmd += ["--enforce-eager"]
+        if not opts.cpu_compile:
+            # No CUDA graphs on CPU, and eager boots fastest (compiling: cpu_compile).
+            cmd += ["--enforce-eager"]
     else:
         cmd += ["--enable-sleep-mode"]
     if opts.worker_extension:

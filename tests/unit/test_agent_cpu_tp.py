@@ -42,3 +42,14 @@ def test_compile_caches_live_below_the_run_dir_unless_the_pod_says_otherwise() -
     shared = vllm_env("cuda", base={"TRITON_CACHE_DIR": "/shared/triton"}, run_dir="/r")
     assert shared["TRITON_CACHE_DIR"] == "/shared/triton"
     assert "VLLM_CACHE_ROOT" not in vllm_env("cuda", base={})  # no run dir: left alone
+
+
+def test_cpu_runs_eager_unless_asked_to_compile_and_gpu_sleeps_either_way() -> None:
+    from rekindle_contract.vllm_argv import VllmOptions, vllm_argv
+
+    eager = vllm_argv(VllmOptions(model="/m", device="cpu"))
+    assert "--enforce-eager" in eager and "--enable-sleep-mode" not in eager
+    compiled = vllm_argv(VllmOptions(model="/m", device="cpu", cpu_compile=True))
+    assert "--enforce-eager" not in compiled and "--enable-sleep-mode" not in compiled
+    gpu = vllm_argv(VllmOptions(model="/m", device="cuda", cpu_compile=True))
+    assert "--enforce-eager" not in gpu and "--enable-sleep-mode" in gpu

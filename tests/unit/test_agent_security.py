@@ -182,6 +182,15 @@ def test_a_good_manifest_has_no_problems() -> None:
     assert _problems(lambda d: None) == []
 
 
+def test_a_compiled_kernel_below_the_run_dirs_caches_may_be_restored() -> None:
+    kernel = f"{RUN}/cache/vllm/torch_compile_cache/x/inductor_cache/jo/k.main.so"
+    assert _problems(lambda d: d["extra_files"][0].update(path=kernel)) == []
+    # the cache dir itself, and a look-alike beside it, are not below it
+    for path in (f"{RUN}/cache", f"{RUN}/cache-x/k.so"):
+        (problem,) = _problems(lambda d, p=path: d["extra_files"][0].update(path=p))
+        assert "neither vLLM's log" in problem and f"{RUN}/cache" in problem
+
+
 @pytest.mark.parametrize(
     ("change", "needle"),
     [

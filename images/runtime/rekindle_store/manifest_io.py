@@ -26,6 +26,7 @@ from rekindle_contract.manifest import (
     IMAGES_SUBDIR,
     MANIFEST_FORMAT,
     MANIFEST_NAME,
+    RUN_CACHE_SUBDIR,
     SHM_SUBDIR,
     SUBDIRS,
     VERIFIED_NAME,
@@ -313,8 +314,15 @@ def validate_paths(data: dict[str, Any], run_dir: str) -> list[str]:
             out.append(f"extra file {p!r} is not an absolute, normalized path")
         elif not below(p, run):
             out.append(f"extra file {p!r} is outside the run dir {run}")
-        elif p != log and not LINK_REMAP.fullmatch(os.path.basename(p)):
-            out.append(f"extra file {p!r} is neither vLLM's log nor a CRIU link_remap file")
+        elif (
+            p != log
+            and not LINK_REMAP.fullmatch(os.path.basename(p))
+            and not below(p, os.path.join(run, RUN_CACHE_SUBDIR))
+        ):
+            out.append(
+                f"extra file {p!r} is neither vLLM's log, a CRIU link_remap file nor below "
+                f"the compile caches {os.path.join(run, RUN_CACHE_SUBDIR)}"
+            )
         saved = rec.get("saved")
         if relpath_problem(saved) or not str(saved).startswith(FILES_SUBDIR + "/"):
             out.append(f"extra file {p!r}: saved copy {saved!r} is not below {FILES_SUBDIR}/")

@@ -207,6 +207,8 @@ def checkpoint(
             raise CheckpointError(io_uring.error_message(found), reason="io_uring")
         shm_names = shm_files.tree_shm_files(pids)
         mmap_facts = mmap_policy.tree_facts(pids)
+        # Before CRIU, which kills the tree: its maps say what it uses.
+        used = run_dir_files(pids, cfg.run_dir, {vllm.log_path})
         remap_dirs = {shm_files.SHM, *deleted_file_dirs(pids)}
         before = link_remaps(remap_dirs)
     except Exception as e:
@@ -264,7 +266,7 @@ def checkpoint(
         shm_records = shm_files.save(shm_names | shm_remaps, ckpt / SHM_SUBDIR)
         extra = save_extra(ckpt, [vllm.log_path], exact=False)
         extra += save_extra(ckpt, other_remaps, exact=True, start=1)
-        used = run_dir_files(pids, cfg.run_dir, {vllm.log_path, *other_remaps})
+        used = [p for p in used if p not in other_remaps]
         extra += save_extra(ckpt, used, exact=True, start=1 + len(other_remaps))
         t = _mark(phases, "save_files", t)
 

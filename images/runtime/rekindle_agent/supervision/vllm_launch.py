@@ -12,6 +12,7 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 
+from rekindle_contract.manifest import RUN_CACHE_SUBDIR
 from rekindle_contract.rpc import WORKER_EXTENSION
 from rekindle_contract.vllm_argv import MM_AUTO_ENV, VllmOptions, takes_images, vllm_argv
 
@@ -79,6 +80,7 @@ def vllm_options(cfg: AgentConfig, env: Mapping[str, str] | None = None) -> Vllm
         mm_shm_cache_gb=cfg.mm_shm_cache_gb if mm else None,
         mm_shm_max_object_mb=cfg.mm_shm_max_object_mb if mm else None,
         prefix_caching=cfg.prefix_caching,
+        cpu_compile=cfg.cpu_compile,
         kv_offload_gb=cfg.kv_offload_gb,
         kv_store_dir=cfg.kv_store_dir,
         allowed_media_domains=media_domains(cfg.allowed_media_domains),
@@ -162,7 +164,7 @@ def cache_env(run_dir: str) -> dict[str, str]:
     the tree uses and the restore puts them back (checkpoint.run_dir_files). A
     value set in the pod's environment wins (e.g. a cache shared by all pods).
     """
-    cache = os.path.join(run_dir, "cache")
+    cache = os.path.join(run_dir, RUN_CACHE_SUBDIR)
     return {
         "VLLM_CACHE_ROOT": os.path.join(cache, "vllm"),
         "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor"),

@@ -61,6 +61,7 @@ def test_every_setting_round_trips_through_agent_argv(monkeypatch: pytest.Monkey
         mm_shm_cache_gb=1.5,
         mm_shm_max_object_mb=64,
         prefix_caching=False,
+        cpu_compile=True,
         kv_offload_gb=4.0,
         worker_extension="none",
         bind_host="127.0.0.1",

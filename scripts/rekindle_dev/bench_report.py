@@ -799,13 +799,26 @@ interleaved, the order reversed every other trial.
 """
 
 
+def stopped_line(run: dict[str, Any] | None) -> list[str]:
+    """Whether CRIU's CUDA plugin hung a restore with --leave-stopped on the GPU."""
+    if not run or "hung" not in run:
+        return []
+    if run["hung"]:
+        return [
+            f"- `--leave-stopped` with the CUDA plugin: **CRIU hung** (killed after "
+            f"{run['timeout_s']:.0f} s, its log ending in the plugin's late resume hook), as "
+            "with CRIU's mock: why a GPU restore never leaves the tree stopped."
+        ]
+    return [f"- `--leave-stopped` with the CUDA plugin: CRIU exited {run.get('rc')} (no hang)."]
+
+
 def section_gpu(res: Results) -> str:
     """The GPU probe's run: driver actions, NVIDIA files left open, CRIU dump and restore."""
     doc = res.doc("gpu")
     if doc is None:
         return missing("gpu")
     facts, drv, nvml = doc["facts"], doc["driver"], doc["nvml"]
-    crit, trials, h2d = doc["criu"], doc["criu_trials"], doc["h2d"]
+    crit, trials, h2d = doc["criu"], doc["criu_trials"], doc.get("h2d")
     cycles = drv["cycles"]
     rows = [
         "| step | per trial, s | median, s |",
@@ -871,10 +884,15 @@ def section_gpu(res: Results) -> str:
         f"naming a GPU it never used, the driver refused the restore and **CRIU still exited "
         f"{bad.get('rc')}**, the process left `{(bad.get('state') or {}).get('out')}` and not "
         "answering: why the agent asks cuda-checkpoint for the state right after CRIU.",
+        *stopped_line(doc.get("criu_stopped")),
         f"- One command-line action costs about {cli_lock:.2f} s "
         f"(interpreter and driver start) against {drv['in_process']['lock']:.4f} s in-process.",
-        f"- Host to device: pinned {h2d['pinned']['median']:.1f} GB/s, pageable "
-        f"{h2d['pageable']['median']:.1f} GB/s (median of {len(h2d['pinned']['gb_per_s'])}).",
+        (
+            f"- Host to device: pinned {h2d['pinned']['median']:.1f} GB/s, pageable "
+            f"{h2d['pageable']['median']:.1f} GB/s (median of {len(h2d['pinned']['gb_per_s'])})."
+            if h2d
+            else "- Host to device: not in this run (its time budget ran out first)."
+        ),
         f"- Restored process: {torch_crit.get('gpu_mib_restored')} MiB on the GPU, "
         f"{len(torch_crit.get('handles_restored', []))} NVIDIA descriptors and mappings again.",
     ]

@@ -262,7 +262,8 @@ def validate_paths(data: dict[str, Any], run_dir: str) -> list[str]:
 
     files[].path         below images/, shm/, files/ or weights/ (validate())
     shm_files[].name     one file name in /dev/shm; its copy shm/NAME is listed
-    extra_files[].path   the vLLM log or a CRIU link_remap.N file, below run_dir
+    extra_files[].path   the vLLM log, a CRIU link_remap.N file, or a file below
+                         run_dir/cache (compiled kernels), all below run_dir
     extra_files[].saved  files/NAME, listed
     vllm.run_dir         this agent's run_dir (the restored tree has files there)
     modes                no setuid/setgid/sticky (group/other write is masked later)

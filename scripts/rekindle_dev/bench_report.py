@@ -82,7 +82,8 @@ SOURCES: dict[str, tuple[str, str]] = {
     "gpu": (
         "gpu/results.json",
         "PYTHONPATH=images/runtime:scripts python3 -m rekindle_dev.gpu_probe --out DIR "
-        "--criu-dir .device/criu --phases facts,driver,nvml,criu,criu_trials,h2d --trials 3",
+        "--criu-dir .device/criu --phases facts,criu_map,criu_stopped,driver,nvml,criu,"
+        "criu_trials,h2d --trials 3",
     ),
     "suite": ("test-suite/results.json", "rekindle-dev bench suite"),
     "naive": ("report/naive_boot.json", "rekindle-dev bench report --run naive"),

@@ -81,7 +81,7 @@ SOURCES: dict[str, tuple[str, str]] = {
     ),
     "gpu": (
         "gpu/results.json",
-        "PYTHONPATH=images/runtime:scripts python3 -m rekindle_dev.gpu_probe --out DIR "
+        "python3 -m rekindle_dev.gpu_probe --out DIR "
         "--criu-dir .device/criu --phases facts,criu_map,criu_stopped,driver,nvml,criu,"
         "criu_trials,h2d --trials 3",
     ),

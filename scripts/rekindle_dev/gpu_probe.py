@@ -22,9 +22,8 @@ and a matmul result, which it re-checks on request):
 Each phase is bounded and recorded as it ends (gpu-probe.json under --out),
 so a phase that fails or runs out of time still leaves the others' numbers.
 
-On the GPU machine, from the repository root (see docs/gpu.md):
-  PYTHONPATH=images/runtime:scripts python3 -m rekindle_dev.gpu_probe --out DIR \
-      --criu-dir .device/criu
+On the GPU machine, with the repository's packages importable (docs/gpu.md):
+  python3 -m rekindle_dev.gpu_probe --out DIR --criu-dir .device/criu
 """
 
 from __future__ import annotations
@@ -47,6 +46,7 @@ from typing import Any
 
 from rekindle_agent.checkpointing import criu, gpu_preflight, nvidia_fds
 
+from rekindle_dev import cuda_checkpoint_cli
 from rekindle_dev.cuda_checkpoint_cli import Driver
 
 # What the numbers depend on (bench_provenance reads it): the driver-facing code the probe
@@ -62,7 +62,7 @@ MEASURED_PATHS = (
 )
 CHILD_READY_S = 180.0
 ACTION_TIMEOUT_S = 120.0
-CLI = [sys.executable, "-m", "rekindle_dev.cuda_checkpoint_cli"]
+CLI = [sys.executable, cuda_checkpoint_cli.__file__]
 
 
 # ------------------------------------------------------------------ the CUDA child
@@ -318,11 +318,10 @@ class Criu:
         self.env = dict(os.environ, LD_LIBRARY_PATH=str(cdir / "lib"))
         shim = work / "bin"
         shim.mkdir(exist_ok=True)
-        # CRIU runs it from another directory: the module path must be absolute.
-        path = ":".join(str(Path(d).resolve()) for d in os.environ.get("PYTHONPATH", "").split(":"))
+        # The work-alike needs the standard library only: run as a script, by its path.
         (shim / "cuda-checkpoint").write_text(
             "#!/bin/sh\nunset LD_LIBRARY_PATH\n"
-            f'PYTHONPATH={path} exec {sys.executable} -m rekindle_dev.cuda_checkpoint_cli "$@"\n'
+            f'exec {sys.executable} {cuda_checkpoint_cli.__file__} "$@"\n'
         )
         (shim / "cuda-checkpoint").chmod(0o755)
         self.env["PATH"] = f"{shim}:{self.env['PATH']}"

@@ -53,3 +53,11 @@ def test_cpu_runs_eager_unless_asked_to_compile_and_gpu_sleeps_either_way() -> N
     assert "--enforce-eager" not in compiled and "--enable-sleep-mode" not in compiled
     gpu = vllm_argv(VllmOptions(model="/m", device="cuda", cpu_compile=True))
     assert "--enforce-eager" not in gpu and "--enable-sleep-mode" in gpu
+
+
+def test_eager_cpu_turns_dynamo_off_and_compiling_cpu_or_gpu_leave_it() -> None:
+    """vLLM torch.compiles its sampler's logprob ranks even when eager; Inductor on CPU
+    needs a C++ compiler the runtime image lacks, so eager CPU turns dynamo off."""
+    assert vllm_env("cpu", base={})["TORCHDYNAMO_DISABLE"] == "1"
+    assert "TORCHDYNAMO_DISABLE" not in vllm_env("cpu", base={}, cpu_compile=True)
+    assert "TORCHDYNAMO_DISABLE" not in vllm_env("cuda", base={})

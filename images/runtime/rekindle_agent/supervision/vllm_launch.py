@@ -111,6 +111,7 @@ def vllm_env(
     run_dir: str | None = None,
     tensor_parallel_size: int = 1,
     media_redirects: bool = False,
+    cpu_compile: bool = False,
 ) -> dict[str, str]:
     """Environment for vLLM: offline, no telemetry, dev endpoints for sleep/collective_rpc.
 
@@ -144,6 +145,11 @@ def vllm_env(
         # keeps the environment it was dumped with, and one without it maps less of the
         # dump and copies the rest, so checkpoints from before it still restore.
         env.setdefault(THP_ENV, "1")
+        if not cpu_compile:
+            # Eager means eager: vLLM still torch.compiles a few helpers (the sampler's
+            # logprob ranks), and Inductor on CPU needs a C++ compiler the image does
+            # not have: the first request with logprobs killed the engine.
+            env.setdefault("TORCHDYNAMO_DISABLE", "1")
         if tensor_parallel_size > 1:
             bind = cpu_threads_bind(sorted(os.sched_getaffinity(0)), tensor_parallel_size)
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", bind)
@@ -180,5 +186,6 @@ def vllm_command(cfg: AgentConfig) -> tuple[list[str], dict[str, str]]:
         run_dir=cfg.run_dir,
         tensor_parallel_size=cfg.tensor_parallel_size,
         media_redirects=cfg.media_redirects,
+        cpu_compile=cfg.cpu_compile,
     )
     return vllm_argv(vllm_options(cfg)), env

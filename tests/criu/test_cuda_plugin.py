@@ -248,15 +248,9 @@ def test_the_agents_own_criu_command_lines_drive_the_plugin(
     probe.verify_all()
 
 
-def test_a_device_map_without_a_cuda_checkpoint_that_takes_it_refuses_the_restore(
-    patched: Flavor, probe: Probe, mock_dir: Path, tmp_path: Path
-) -> None:
-    """A cuda-checkpoint older than r580 has no --device-map: restoring onto the dump-time
-    GPU instead of the pod's would be silently wrong, so the plugin refuses the restore
-    before any action; the same images then restore without a map (nothing lost)."""
-    bindir, calls = tmp_path / "bin", tmp_path / "calls.log"
-    wrap_mock(mock_dir, bindir, calls, device_map=False)
-    images = tmp_path / "images"
+def dumped(patched: Flavor, probe: Probe, bindir: Path, images: Path) -> int:
+    """Start the probe, dump it into images with the plugin (bindir's cuda-checkpoint,
+    fault 138) and wait until it is gone; its PID, which the restore brings back."""
     images.mkdir()
     probe.start()
     root = probe.root
@@ -267,6 +261,19 @@ def test_a_device_map_without_a_cuda_checkpoint_that_takes_it_refuses_the_restor
     if probe.popen is not None:
         probe.popen.wait(timeout=30)
     wait_gone(root)
+    return root
+
+
+def test_a_device_map_without_a_cuda_checkpoint_that_takes_it_refuses_the_restore(
+    patched: Flavor, probe: Probe, mock_dir: Path, tmp_path: Path
+) -> None:
+    """A cuda-checkpoint older than r580 has no --device-map: restoring onto the dump-time
+    GPU instead of the pod's would be silently wrong, so the plugin refuses the restore
+    before any action; the same images then restore without a map (nothing lost)."""
+    bindir, calls = tmp_path / "bin", tmp_path / "calls.log"
+    wrap_mock(mock_dir, bindir, calls, device_map=False)
+    images = tmp_path / "images"
+    root = dumped(patched, probe, bindir, images)
     calls.unlink()
     restore = ["restore", "-D", str(images), "-d", "--pidfile", str(images / "pid")]
     with_map = {"CRIU_CUDA_DEVICE_MAP": f"{DUMPED_ON}={POD_GPU}"}
@@ -383,16 +390,7 @@ def test_a_failed_cuda_resume_is_found_right_after_criu_which_exits_0(
     bindir, calls = tmp_path / "bin", tmp_path / "calls.log"
     wrap_mock(mock_dir, bindir, calls, fail_restore=True)
     images = tmp_path / "images"
-    images.mkdir()
-    probe.start()
-    root = probe.root
-    res = run_criu(
-        patched, ["dump", "-t", str(root), "-D", str(images), "-o", "dump.log"], bindir, True
-    )
-    assert res.returncode == 0, log_tail(images / "dump.log")
-    if probe.popen is not None:
-        probe.popen.wait(timeout=30)
-    wait_gone(root)
+    root = dumped(patched, probe, bindir, images)
     cc = str(bindir / "cuda-checkpoint")
     restore = ["restore", "-D", str(images), "-d", "--pidfile", str(images / "pid")]
     res = run_criu(patched, [*restore, "-o", "restore.log"], bindir, True)

@@ -12,11 +12,12 @@ kind, so a refusal says what to close.
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+
+from rekindle_agent.process_tree import proctree
 
 _KINDS = (
     (re.compile(r"/dev/nvidiactl"), "control"),
@@ -50,38 +51,13 @@ def kind_of(path: str) -> str | None:
     return None
 
 
-def _fds(pid: int, proc: Path) -> Iterable[tuple[int, str]]:
-    fd_dir = proc / str(pid) / "fd"
-    try:
-        names = os.listdir(fd_dir)
-    except (FileNotFoundError, ProcessLookupError):
-        return
-    for name in names:
-        try:
-            yield int(name), os.readlink(fd_dir / name)
-        except (OSError, ValueError):
-            continue  # closed meanwhile
-
-
-def _mapped(pid: int, proc: Path) -> Iterable[str]:
-    try:
-        text = (proc / str(pid) / "maps").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return
-    seen = set()
-    for line in text.splitlines():
-        fields = line.split(maxsplit=5)
-        path = fields[5].strip() if len(fields) == 6 else ""
-        if path and path not in seen:
-            seen.add(path)
-            yield path
-
-
 def scan(pid: int, proc: str | Path = "/proc") -> list[NvidiaHandle]:
     """Every NVIDIA device descriptor and mapped device file of one process."""
     root = Path(proc)
-    out = [NvidiaHandle(pid, fd, t, k) for fd, t in _fds(pid, root) if (k := kind_of(t))]
-    out += [NvidiaHandle(pid, None, p, k) for p in _mapped(pid, root) if (k := kind_of(p))]
+    fds = proctree.fd_targets(pid, root).items()
+    out = [NvidiaHandle(pid, fd, t, k) for fd, t in fds if (k := kind_of(t))]
+    maps = proctree.mapped_paths(pid, root)
+    out += [NvidiaHandle(pid, None, p, k) for p in maps if (k := kind_of(p))]
     return sorted(out, key=lambda h: (h.pid, h.fd is None, h.fd or 0, h.path))
 
 

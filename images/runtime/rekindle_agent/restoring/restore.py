@@ -269,9 +269,9 @@ def restore(
             )
             if not gpu.ok:
                 raise RestoreError("criu_restore_failed", gpu.message())
-            cuda_cc = cuda = gpu.facts.cuda_checkpoint
+            cuda_cc = gpu.facts.cuda_checkpoint
             path = os.environ.get("PATH")
-            env_argv = lambda a: gpu_preflight.criu_env_argv(a, cuda, path, gpu_map)  # noqa: E731
+            env_argv = lambda a: gpu_preflight.criu_env_argv(a, cuda_cc, path, gpu_map)  # noqa: E731
         opts = RestoreOptions(
             mmap=decision.use,
             mmap_heap=decision.heap,

@@ -473,3 +473,99 @@ def test_a_gpu_restore_starts_criu_before_the_weight_dump_is_checked() -> None:
     cpu = restore.checked_before_criu("cpu", files)
     assert "images/core-7.img" in cpu and "images/pages-1.img" not in cpu
     assert not any(p.startswith("weights/") for p in gpu | cpu)
+
+
+def test_the_allocation_is_the_kubelets_record_not_the_environment(
+    tmp_path: Path,
+    node: tuple[Path, Path, Path],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under CDI injection NVIDIA_VISIBLE_DEVICES is `all`: through the node agent the
+    pod's GPUs come from the kubelet's PodResources answer (a real gRPC server here),
+    and vLLM's pin, the fingerprint and the preflight all read that record."""
+    from concurrent import futures
+
+    import grpc  # type: ignore[import-untyped]
+    from rekindle_agent.agent import Agent
+    from rekindle_node import requests
+    from rekindle_node.identity import PodContainer
+    from rekindle_node.operations import NodeSettings, Operations
+    from rekindle_node.pod_resources import PodResourcesClient
+    from rekindle_node.requests import RequestServer
+    from rekindle_store.node_cache import NodeCache
+
+    from tests.unit.test_node_pod_resources import PB, Kubelet, kubelet_methods
+
+    pod = PB["PodResources"](
+        name="vllm-0",
+        namespace="serving",
+        containers=[
+            PB["ContainerResources"](
+                name="vllm",
+                devices=[
+                    PB["ContainerDevices"](resource_name="nvidia.com/gpu", device_ids=[OTHER])
+                ],
+            )
+        ],
+    )
+    kubelet_sock = str(tmp_path / "kubelet.sock")
+    kubelet = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    kubelet.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "v1.PodResourcesLister", kubelet_methods(Kubelet([pod]))
+            ),
+        )
+    )
+    kubelet.add_insecure_port("unix://" + kubelet_sock)
+    kubelet.start()
+    ops = Operations(
+        NodeSettings(criu=None, work=tmp_path / "work", node="node-a"),  # type: ignore[arg-type]
+        NodeCache(tmp_path / "cache", budget_bytes=1 << 20),
+        b"k" * 32,
+        pod_resources=PodResourcesClient(kubelet_sock),
+    )
+    me = PodContainer("cid", "vllm", "serving", "vllm-0", "uid-a")
+    node_sock = tmp_path / "node.sock"
+    server = RequestServer(node_sock, {"devices": ops.devices}, resolve=lambda pid: me)
+    requests.serve_in_thread(server)
+
+    _root, plugins, cc = node
+    monkeypatch.setenv("NVIDIA_VISIBLE_DEVICES", "all")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    cfg = AgentConfig(
+        model=str(tmp_path),
+        run_dir=str(tmp_path / "run"),
+        worker_extension="none",
+        device="cuda",
+        criu_plugins=str(plugins),
+        cuda_checkpoint=str(cc),
+        node_socket=str(node_sock),
+        pod_uid="uid-a",
+    )
+    try:
+        agent = Agent(cfg, b"t" * 24)
+        try:
+            assert agent.gpu_env["NVIDIA_VISIBLE_DEVICES"] == OTHER
+            assert agent.vllm.env["CUDA_VISIBLE_DEVICES"] == OTHER
+            assert agent.fingerprint()["gpu_uuid"] == OTHER
+            facts = checkpoint.gpu_checks(cfg, agent.vllm.env, str(node[0]), agent.gpu_env)
+            assert facts is not None and facts.gpu_uuids == (OTHER,)
+            # The environment alone says `all`: refused, naming it.
+            with pytest.raises(checkpoint.CheckpointError, match="NVIDIA_VISIBLE_DEVICES is 'all'"):
+                checkpoint.gpu_checks(cfg, agent.vllm.env, str(node[0]))
+        finally:
+            agent.reaper.stop()
+    finally:
+        server.shutdown()
+        server.server_close()
+        kubelet.stop(0)
+
+
+def test_without_a_kubelet_answer_the_environment_stays(monkeypatch: pytest.MonkeyPatch) -> None:
+    env = {"NVIDIA_VISIBLE_DEVICES": "all", "PATH": "/bin"}
+    assert gpu_preflight.with_allocation(env, None) == env
+    assert gpu_preflight.with_allocation(env, [])["NVIDIA_VISIBLE_DEVICES"] == ""
+    assert gpu_preflight.with_allocation(env, [UUID, OTHER])["NVIDIA_VISIBLE_DEVICES"] == (
+        f"{UUID},{OTHER}"
+    )

@@ -101,10 +101,14 @@ class Agent:
         self.reaper = reaper.Reaper()
         with contextlib.suppress(OSError):
             reaper.become_subreaper()
+        # Where the GPU checks read this pod's allocation: the kubelet's record when the
+        # node agent can give it, else the environment (NVIDIA_VISIBLE_DEVICES).
+        self.gpu_env: dict[str, str] = dict(os.environ)
         argv, env = vllm_command(cfg)
         if cfg.device == "cuda":
+            self.gpu_env = gpu_preflight.with_allocation(os.environ, self.backend.gpu_allocation())
             # A privileged pod sees every GPU: pin vLLM to the allocated one by UUID.
-            env = gpu_preflight.pin_visible_devices(env)
+            env = gpu_preflight.pin_visible_devices(env, self.gpu_env)
             self._warn_gpu(env)
         self.vllm = VllmProcess(
             argv,
@@ -129,7 +133,7 @@ class Agent:
         """At start, say what would stop a GPU checkpoint (each one is refused until fixed)."""
         cfg = self.cfg
         pre = gpu_preflight.check(
-            cfg.criu_plugins, cfg.cuda_checkpoint, os.environ, vllm_env, cfg.tensor_parallel_size
+            cfg.criu_plugins, cfg.cuda_checkpoint, self.gpu_env, vllm_env, cfg.tensor_parallel_size
         )
         if not pre.ok:
             log.warning("%s: checkpoints and restores are refused until fixed", pre.message())
@@ -149,7 +153,7 @@ class Agent:
                 fp = {
                     **fp,
                     **fingerprint.cuda_facts(
-                        self.cfg.criu_plugins, self.cfg.cuda_checkpoint, os.environ
+                        self.cfg.criu_plugins, self.cfg.cuda_checkpoint, self.gpu_env
                     ),
                 }
             self._fingerprint = fp
@@ -271,6 +275,7 @@ class Agent:
                 key=self.signing_key if self.backend.agent_signs else None,
                 backend=self.backend,
                 name=ckpt,
+                agent_env=self.gpu_env,
             )
         except Exception as e:  # a bug must not crash-loop the pod either
             if isinstance(e, BackendError):
@@ -589,6 +594,7 @@ class Agent:
             self.fingerprint(),
             self.signing_key,
             backend=self.backend,
+            agent_env=self.gpu_env,
         )
         self.status.weights_rpc = "available" if man["weights"]["released"] else "unavailable"
         return man

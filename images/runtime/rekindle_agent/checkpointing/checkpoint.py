@@ -18,6 +18,7 @@ import errno
 import os
 import shutil
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -157,20 +158,22 @@ def checkpoint(
     key: bytes | None = None,
     preflight_root: str = "/",
     backend: CriuBackend | None = None,
+    agent_env: Mapping[str, str] | None = None,
 ) -> Manifest:
     """Dump the running vLLM into ckpt; returns the manifest (signed with key, not yet verified).
 
     fp is the fingerprint of what runs (fingerprint.collect), recorded so a
     restore can refuse an environment that differs. With device cuda the GPU
     preflight runs first (gpu_preflight; preflight_root is where it reads
-    /proc, "/" but in tests) and its facts join the fingerprint. Raises
+    /proc, "/" but in tests; agent_env: where it reads the pod's allocation,
+    os.environ when None) and its facts join the fingerprint. Raises
     CheckpointError.
     """
     backend = backend or InPod(criu_info.binary)
     root = vllm.root_pid
     if root is None or not proctree.alive(root):
         raise CheckpointError("vLLM is not running", serving=False)
-    gpu = gpu_checks(cfg, vllm.env, preflight_root)
+    gpu = gpu_checks(cfg, vllm.env, preflight_root, agent_env)
     if gpu is not None:
         fp = {**fp, **gpu.fingerprint()}
     phases: dict[str, float] = {}
@@ -327,7 +330,10 @@ def checkpoint(
 
 
 def gpu_checks(
-    cfg: AgentConfig, vllm_env: dict[str, str], root: str = "/"
+    cfg: AgentConfig,
+    vllm_env: dict[str, str],
+    root: str = "/",
+    agent_env: Mapping[str, str] | None = None,
 ) -> gpu_preflight.GpuFacts | None:
     """The GPU preflight for device cuda (None on CPU); CheckpointError, vLLM still serving,
     with every problem found when CRIU's CUDA plugin would not work."""
@@ -336,7 +342,7 @@ def gpu_checks(
     pre = gpu_preflight.check(
         cfg.criu_plugins,
         cfg.cuda_checkpoint,
-        os.environ,
+        os.environ if agent_env is None else agent_env,
         vllm_env,
         cfg.tensor_parallel_size,
         root=root,

@@ -120,6 +120,11 @@ class CriuBackend:
         """A tree restored from ckpt with mapped memory died of SIGBUS (why)."""
         raise NotImplementedError
 
+    def gpu_allocation(self) -> list[str] | None:
+        """This container's GPUs as the kubelet allocated them, in its order; None when
+        this backend cannot ask the kubelet (the environment is all there is)."""
+        return None
+
 
 def _log_tail(log_file: str) -> str:
     """The end of a CRIU log that says why it failed ("" if unreadable)."""
@@ -362,6 +367,21 @@ class NodeAgent(CriuBackend):
     def unpublish(self, ckpt: str) -> dict[str, Any]:
         """Have the node agent delete the published copy of ckpt from its object store."""
         return self._call("unpublish", {"name": ckpt}, timeout=600)
+
+    def gpu_allocation(self) -> list[str] | None:
+        """The node agent's answer from the kubelet's PodResources API: under CDI
+        injection NVIDIA_VISIBLE_DEVICES says `all`, and a tenant sets its own
+        environment anyway. None (with a warning) when the node agent cannot tell."""
+        try:
+            answer = self._call("devices", {}, timeout=30)
+        except BackendError as e:
+            log.warning("the node agent cannot say which GPUs this pod has: %s", e)
+            return None
+        gpus = answer.get("gpus")
+        if not isinstance(gpus, list) or not all(isinstance(g, str) for g in gpus):
+            log.warning("the node agent's devices answer has no list of GPUs: %r", answer)
+            return None
+        return list(gpus)
 
     def reserve_pids(self, floor: int) -> None:
         try:

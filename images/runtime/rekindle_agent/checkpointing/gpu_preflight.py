@@ -169,17 +169,31 @@ def allocated_devices(env: Mapping[str, str]) -> list[str]:
     return [x.strip() for x in raw.split(",") if x.strip()]
 
 
-def pin_visible_devices(env: Mapping[str, str]) -> dict[str, str]:
+def with_allocation(env: Mapping[str, str], gpus: Sequence[str] | None) -> dict[str, str]:
+    """env with DEVICE_LIST_ENV replaced by the kubelet's allocation (gpus, in its
+    order), so every check and pin below reads the record instead of what the pod's
+    environment claims; env unchanged when gpus is None (nobody could ask)."""
+    out = dict(env)
+    if gpus is not None:
+        out[DEVICE_LIST_ENV] = ",".join(gpus)
+    return out
+
+
+def pin_visible_devices(
+    env: Mapping[str, str], agent_env: Mapping[str, str] | None = None
+) -> dict[str, str]:
     """vLLM's env with CUDA_VISIBLE_DEVICES set to the allocated GPUs' UUIDs.
 
     A privileged container sees every GPU on the node; CUDA_VISIBLE_DEVICES
     by UUID makes CUDA see only the ones the device plugin allocated (and
     the same ones after a restore). Left alone when the allocation names no
-    UUIDs (the preflight says why that is not checkpointable).
+    UUIDs (the preflight says why that is not checkpointable). agent_env is where
+    the allocation is read (with_allocation's; env itself when None).
     """
     out = dict(env)
-    uuids = [d for d in allocated_devices(env) if d.startswith("GPU-")]
-    if uuids and len(uuids) == len(allocated_devices(env)):
+    allocated = allocated_devices(env if agent_env is None else agent_env)
+    uuids = [d for d in allocated if d.startswith("GPU-")]
+    if uuids and len(uuids) == len(allocated):
         out[CUDA_DEVICES_ENV] = ",".join(uuids)
     return out
 

@@ -20,7 +20,7 @@ import os
 import signal
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -157,6 +157,7 @@ def restore(
     manifest: Manifest | None = None,
     backend: CriuBackend | None = None,
     name: Path | None = None,
+    agent_env: Mapping[str, str] | None = None,
 ) -> tuple[dict[str, float], mmap_policy.Decision]:
     """Run the whole restore; returns phase seconds and how memory came back. Raises RestoreError.
 
@@ -172,8 +173,11 @@ def restore(
     manifest, the manifest it was started from), or None to start one here
     when cfg.prefetch says so. ckpt is where the checkpoint is read (the backend's
     readable()); name is what it is called (the operator's path), when they differ.
+    agent_env is where this pod's GPU allocation is read (gpu_preflight.with_allocation;
+    os.environ when None).
     """
     backend = backend or InPod(criu_info.binary)
+    agent_env = os.environ if agent_env is None else agent_env
     t_start = time.monotonic()
     deadline = t_start + cfg.prefetch_timeout
     phases: dict[str, float] = {}
@@ -221,7 +225,7 @@ def restore(
             try:
                 gpu_map = gpu_preflight.device_map(
                     man["fingerprint"].get("gpu_uuid"),
-                    gpu_preflight.allocated_devices(os.environ),
+                    gpu_preflight.allocated_devices(agent_env),
                 )
             except ValueError as e:
                 raise RestoreError("fingerprint_mismatch", str(e)) from e
@@ -263,7 +267,7 @@ def restore(
             gpu = gpu_preflight.check(
                 cfg.criu_plugins,
                 cfg.cuda_checkpoint,
-                os.environ,
+                agent_env,
                 vllm.env,
                 cfg.tensor_parallel_size,
             )

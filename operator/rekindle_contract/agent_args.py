@@ -93,6 +93,12 @@ class AgentArgs:
         "plugin runs: its directory goes first on CRIU's PATH (device cuda only)",
         default="cuda-checkpoint",
     )
+    gpu_host_copy_limit_mb: int = _opt(
+        "device cuda: the most GPU memory (MiB per GPU) vLLM's level-2 sleep may leave, "
+        "which cuda-checkpoint copies into the pod's host memory; a checkpoint over it is "
+        "refused with the weights put back (the operator budgets 1024 MiB per GPU)",
+        default=1024,
+    )
     mmap_restore: str = _opt("zero-copy restore: auto, on or off", MMAP_MODES, default="auto")
     prefetch: bool = _opt("read the checkpoint into the page cache while restoring", default=True)
     prefetch_threads: int = _opt("prefetch reader threads", default=8)

@@ -75,6 +75,7 @@ CHECKPOINT_FAILURE_REASONS = (
     "canary_failed",  # vLLM did not answer the canary prompts; nothing was touched
     "io_uring",  # the tree holds an io_uring CRIU cannot dump
     "release_failed",  # the weights could not be dumped or released
+    "gpu_memory_left",  # sleep left more on the GPU than --gpu-host-copy-limit-mb; undone
     "insufficient_space",  # refused before draining: the estimate does not fit the volume
     "volume_full",  # ENOSPC / EDQUOT on the checkpoint volume
     "read_only",  # EROFS on the checkpoint volume

@@ -640,4 +640,22 @@ def manifest_summary(manifest: Mapping[str, Any]) -> Status:
         },
         "agentFingerprint": hashlib.sha256(fingerprint).hexdigest()[:16],
         "verified": bool(manifest.get("verified")),
+        **weights_summary(manifest),
     }
+
+
+def weights_summary(manifest: Mapping[str, Any]) -> Status:
+    """weightsBytes (the dump a restore reloads) and, on GPU, gpuMemoryAfterSleepBytes
+    (what cuda-checkpoint copied to host memory), where the manifest has them."""
+    out: Status = {}
+    weights = manifest.get("weights") or {}
+    prefix = str(weights.get("dir") or "weights").rstrip("/") + "/"
+    dumped = [int(f.get("size", 0)) for f in manifest.get("files") or []]
+    names = [str(f.get("path", "")) for f in manifest.get("files") or []]
+    total = sum(n for n, p in zip(dumped, names, strict=True) if p.startswith(prefix))
+    if weights.get("released") and total:
+        out["weightsBytes"] = total
+    left = weights.get("gpu_memory_after_release_bytes")
+    if isinstance(left, int) and not isinstance(left, bool) and left >= 0:
+        out["gpuMemoryAfterSleepBytes"] = left
+    return out

@@ -1,4 +1,5 @@
-"""`kubectl rekindle`: checkpoint, restore, status and bench an InferenceService.
+"""`kubectl rekindle`: checkpoint, restore, status and bench an InferenceService;
+gpu-check a cluster's GPU nodes.
 
 Installed as the console script `kubectl-rekindle`, so kubectl finds it as a
 plugin. Uses the same credentials as kubectl (--kubeconfig, KUBECONFIG,
@@ -56,6 +57,30 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--trials", type=_trials, default=3, help="trials per arm (>= 1)")
     b.add_argument("--json", type=Path, help="write results as JSON here")
     b.add_argument("--plot", type=Path, help="write a PNG plot here")
+
+    g = sub.add_parser(
+        "gpu-check",
+        help="the GPU acceptance: boot, checkpoint, restore on the same and another GPU",
+    )
+    g.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="no GPU needed: print the steps and run the checks that need none",
+    )
+    g.add_argument("--image", help="the runtime-gpu image (required without --dry-run)")
+    g.add_argument("--model-source", default="/models/smollm2", help="spec.model.source")
+    g.add_argument("--served-name", default="smollm2", help="spec.model.servedName")
+    g.add_argument("--gpu-resource", default="nvidia.com/gpu", help="the GPU's resource name")
+    g.add_argument("--node", help="run on this node (default: the one with most GPUs free)")
+    g.add_argument(
+        "--storage",
+        choices=["node", "hostPath"],
+        default="node",
+        help="node: the node agent runs CRIU (unprivileged pods); hostPath: CRIU in the pod",
+    )
+    g.add_argument("--timeout", type=_positive, default=900.0, help="seconds per step")
+    g.add_argument("--keep", action="store_true", help="keep the service and its checkpoints")
+    g.add_argument("--out", type=Path, help="write the results as JSON here")
     return p
 
 
@@ -332,7 +357,51 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_gpu_check(args: argparse.Namespace) -> int:
+    from rekindle_operator import gpu_check
+
+    if not args.dry_run and not args.image:
+        print("error: --image: the runtime-gpu image to run (or --dry-run)", file=sys.stderr)
+        return EXIT_USAGE
+    opts = gpu_check.Options(
+        namespace=_namespace(args),
+        image=args.image or gpu_check.DRY_RUN_IMAGE,
+        model_source=args.model_source,
+        served_name=args.served_name,
+        gpu_resource=args.gpu_resource,
+        node=args.node,
+        storage=args.storage,
+        timeout=args.timeout,
+        keep=args.keep,
+    )
+    started = time.time()
+    kube = _kube_or_none(args) if args.dry_run else _kube(args)
+    outcome, checks = gpu_check.run(kube, opts, args.dry_run)
+    print(outcome)
+    if args.out:
+        command = "kubectl rekindle " + " ".join(args.argv)
+        gpu_check.write(args.out, gpu_check.results_doc(opts, outcome, checks, started, command))
+        print(f"wrote {args.out}")
+    return 0 if outcome in ("PASS", "DRY-RUN") else EXIT_FAILED
+
+
+def _kube_or_none(args: argparse.Namespace) -> Any:
+    """A client when a cluster answers, else None (a dry run says what it skipped)."""
+    from urllib3.exceptions import HTTPError
+
+    from rekindle_operator.kube import ConfigError, KubeError
+
+    try:
+        kube = _kube(args)
+        kube.request("GET", "/version")
+    except (ConfigError, KubeError, HTTPError, OSError) as e:
+        print(f"SKIP    cluster: not reachable ({_reason(e)}): the cluster checks are skipped")
+        return None
+    return kube
+
+
 COMMANDS = {
+    "gpu-check": cmd_gpu_check,
     "checkpoint": cmd_checkpoint,
     "restore": cmd_restore,
     "status": cmd_status,
@@ -345,6 +414,7 @@ EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 1, 2, 3
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # bad usage: argparse exits 2
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # recorded in results files
     from urllib3.exceptions import HTTPError
 
     from rekindle_operator.kube import ConfigError, KubeError

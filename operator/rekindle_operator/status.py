@@ -52,6 +52,8 @@ class PodBoot:
     page_cache: Mapping[str, Any] | None = None
     node: str = ""  # the node it runs on
     path: str = ""  # how it came up: COLD_START_PATHS, "" while not known
+    # Restored: each phase of its restore, in seconds, as its agent reports them.
+    restore_seconds: Mapping[str, float] | None = None
 
 
 # How a replica came up: booted vLLM; restored a checkpoint its node held (the node
@@ -181,7 +183,20 @@ def pod_boot(pod: Body, agent: StatusReply | None, agent_error: str | None) -> P
         page_cache=page_cache(agent),
         node=str((pod.get("spec") or {}).get("nodeName") or ""),
         path=cold_start_path(agent),
+        restore_seconds=restore_phases(agent) if origin == "restored" else None,
     )
+
+
+MAX_RESTORE_PHASES = 32  # the agent reports about 15
+
+
+def restore_phases(agent: StatusReply) -> dict[str, float]:
+    """The agent's restore phases, bounded: its report is its own word, not ours."""
+    out = {}
+    for k, v in list((agent.timings.get("restore") or {}).items())[:MAX_RESTORE_PHASES]:
+        if isinstance(v, int | float) and not isinstance(v, bool):
+            out[clip(str(k), 64)] = round(float(v), 3)
+    return out
 
 
 def set_condition(
@@ -354,6 +369,7 @@ def compute_status(old: Body, obs: Observed) -> dict[str, Any]:
                 **({"pageCache": dict(p.page_cache)} if p.page_cache else {}),
                 **({"node": p.node} if p.node else {}),
                 **({"coldStartPath": p.path} if p.path else {}),
+                **({"restoreSeconds": dict(p.restore_seconds)} if p.restore_seconds else {}),
             }
             for p in obs.pods
         ],

@@ -23,11 +23,14 @@ from tests.cluster.operator_fixtures import (
     apply,
     install_crds,
     isvc_manifest,
+    kubectl_rekindle,
     require_image,
+    run_plugin,
     wait_status,
 )
 
 pytestmark = pytest.mark.cluster
+__all__ = ["kubectl_rekindle"]  # a fixture, used by name
 
 
 def local_operator_values(namespace: str) -> list[str]:
@@ -99,7 +102,9 @@ def operator_logs(namespace: str, release: str) -> str:
     ).stdout
 
 
-def test_chart_operator_reconciles_with_its_own_rbac(namespace: str, release: str) -> None:
+def test_chart_operator_reconciles_with_its_own_rbac(
+    namespace: str, release: str, kubectl_rekindle: dict[str, str], tmp_path: Path
+) -> None:
     pods = kubectl_json(
         "get", "pods", "-n", namespace, "-l", "app.kubernetes.io/component=operator"
     )["items"]
@@ -161,6 +166,32 @@ def test_chart_operator_reconciles_with_its_own_rbac(namespace: str, release: st
     )
     check_namespaced_rbac(namespace, release)
     check_image_policy(namespace)
+    check_gpu_check_dry_run(namespace, kubectl_rekindle, tmp_path / "gpu-check.json")
+
+
+def check_gpu_check_dry_run(namespace: str, env: dict[str, str], out: Path) -> None:
+    """`kubectl rekindle gpu-check --dry-run` on this GPU-less cluster: it finds the
+    chart's install, says no node offers a GPU, and lists what a real run would do."""
+    r = run_plugin(
+        env, "-n", namespace, "gpu-check", "--dry-run", "--storage", "hostPath", "--out", str(out)
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.rstrip().splitlines()[-2] == "DRY-RUN", r.stdout
+    assert "7. negative [needs 1 GPU] (not on this cluster: too few GPUs free)" in r.stdout
+    doc = json.loads(out.read_text())
+    assert doc["verdict"] == "DRY-RUN"
+    got = {f"{c['step']}/{c['name']}": c["verdict"] for c in doc["checks"]}
+    assert got == {
+        "validate/InferenceService": "PASS",
+        "validate/Checkpoint": "PASS",
+        "preflight/CRD inferenceservices": "PASS",
+        "preflight/CRD checkpoints": "PASS",
+        "preflight/operator": "PASS",
+        "preflight/node agent": "SKIP",
+        "preflight/GPU node": "SKIP",
+    }, doc["checks"]
+    gpu = next(c for c in doc["checks"] if c["name"] == "GPU node")
+    assert gpu["note"].startswith("no node offers a free nvidia.com/gpu"), gpu
 
 
 def can_i(namespace: str, release: str, *args: str) -> bool:

@@ -109,6 +109,7 @@ def test_every_setting_round_trips_through_agent_argv(monkeypatch: pytest.Monkey
         allowed_media_domains="images.example.com,10.0.0.5",
         media_redirects=True,
         keep_resident_mb=256,
+        gpu_host_copy_limit_mb=2048,
         vllm_args=["--dtype", "float32", "--seed", "7"],
     )
     # Where checkpoints are published is one choice of two flags: the other one's

@@ -8,13 +8,14 @@ is checked is what the agent would hand CRIU (-L, the PATH) and when it refuses.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
-from rekindle_agent.checkpointing import checkpoint, criu, fingerprint, gpu_preflight
+from rekindle_agent.checkpointing import checkpoint, criu, fingerprint, gpu_memory, gpu_preflight
 from rekindle_agent.config import AgentConfig
 from rekindle_agent.process_tree.reaper import Result
 from rekindle_agent.supervision.vllm_process import VllmProcess
@@ -324,14 +325,30 @@ def sleeper() -> Iterator[int]:
         p.wait()
 
 
+def fake_nvidia_smi(bindir: Path, used_mib: int | None) -> None:
+    """bindir/nvidia-smi answering the memory query for UUID (None: no nvidia-smi)."""
+    smi = bindir / "nvidia-smi"
+    if used_mib is None:
+        smi.unlink(missing_ok=True)
+        return
+    smi.write_text(
+        '#!/bin/sh\n[ "$*" = "--query-gpu=uuid,memory.used --format=csv,noheader,nounits" ]'
+        f' || exit 9\necho "{UUID}, {used_mib}"\necho "{OTHER}, 70000"\n'
+    )
+    smi.chmod(0o755)
+
+
 def _flow(
     tmp_path: Path,
     node: tuple[Path, Path, Path],
     pid: int,
     monkeypatch: pytest.MonkeyPatch,
     agent_env: str | None,
+    gpu_used_mib: int | None = 512,
 ) -> tuple[RecordingReaper, RecordingControl, checkpoint.CheckpointError]:
     root, plugins, cc = node
+    fake_nvidia_smi(cc.parent, gpu_used_mib)
+    monkeypatch.setenv("PATH", f"{cc.parent}:{os.environ['PATH']}")
     if agent_env is None:
         monkeypatch.delenv("NVIDIA_VISIBLE_DEVICES", raising=False)
     else:
@@ -379,6 +396,35 @@ def test_gpu_checkpoint_hands_criu_the_plugin_and_path(
     # the (recorded) dump failed: the release is undone and vLLM keeps serving
     assert control.calls == ["canary", "dump_weights", "release_weights", "wake"]
     assert err.reason == "criu_failed" and err.serving
+
+
+def test_sleep_leaving_more_than_the_host_copy_budget_is_undone_before_criu(
+    tmp_path: Path, node: tuple[Path, Path, Path], sleeper: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reaper, control, err = _flow(tmp_path, node, sleeper, monkeypatch, UUID, gpu_used_mib=1500)
+    assert reaper.argvs == []  # CRIU never ran
+    assert control.calls == ["canary", "dump_weights", "release_weights", "wake"]
+    assert err.reason == "gpu_memory_left" and err.serving
+    assert "left 1.46 GiB" in str(err) and "1.00 GiB" in str(err)
+
+
+def test_gpu_checkpoint_without_nvidia_smi_is_refused_before_the_release(
+    tmp_path: Path, node: tuple[Path, Path, Path], sleeper: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(shutil, "which", lambda name, path=None: None)
+    reaper, control, err = _flow(tmp_path, node, sleeper, monkeypatch, UUID, gpu_used_mib=None)
+    assert reaper.argvs == [] and control.calls == []
+    assert err.reason == "unsupported" and err.serving and "nvidia-smi" in str(err)
+
+
+def test_gpu_memory_is_read_per_gpu_and_summed() -> None:
+    answer = f"{UUID}, 812\n{OTHER}, 3\n"
+    assert gpu_memory.used_bytes([UUID], lambda argv: answer) == 812 << 20
+    assert gpu_memory.used_bytes([UUID, OTHER], lambda argv: answer) == 815 << 20
+    with pytest.raises(gpu_memory.Unmeasured, match="does not list GPU-ffff"):
+        gpu_memory.used_bytes(["GPU-ffff"], lambda argv: answer)
+    with pytest.raises(gpu_memory.Unmeasured, match="answered"):
+        gpu_memory.used_bytes([UUID], lambda argv: f"{UUID}, [N/A]\n")
 
 
 def test_gpu_checkpoint_refused_before_anything_is_released(
@@ -531,6 +577,8 @@ def test_the_allocation_is_the_kubelets_record_not_the_environment(
     requests.serve_in_thread(server)
 
     _root, plugins, cc = node
+    fake_nvidia_smi(cc.parent, 512)
+    monkeypatch.setenv("PATH", f"{cc.parent}:{os.environ['PATH']}")
     monkeypatch.setenv("NVIDIA_VISIBLE_DEVICES", "all")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     cfg = AgentConfig(

@@ -104,11 +104,13 @@ def test_pod_boot_from_agent_reply() -> None:
                 "started_at": 1000.0,
                 "ready_at": 1002.25,
                 "restore_memory": {"path": "copy", "why": "the tree maps jemalloc"},
+                "timings": {"restore": {"criu_restore": 0.61234, "reload_weights": 0.2}},
             }
         ),
         None,
     )
     assert restored.origin == "restored" and restored.reason == ""
+    assert restored.restore_seconds == {"criu_restore": 0.612, "reload_weights": 0.2}
     assert (restored.memory, restored.memory_reason) == ("copy", "the tree maps jemalloc")
     assert restored.cold_start_seconds == 5.0
     assert restored.agent_ready_seconds == 2.25
@@ -125,6 +127,7 @@ def test_pod_boot_from_agent_reply() -> None:
     )
     assert booted.reason == "file_missing: pages-1.img"
     assert booted.memory == ""  # only a restored pod says how its memory came back
+    assert booted.restore_seconds is None
     assert booted.agent_ready_seconds is None  # an agent that does not say when
     unknown = pod_boot(p, None, "connection refused")
     assert unknown.origin == "unknown" and "refused" in unknown.reason
@@ -290,3 +293,19 @@ def test_a_pod_restored_by_copying_after_a_mapped_restore_died_is_an_event_once(
     assert transitions({"pods": [pod]}, {"pods": [pod]}) == []
     mapped = {**pod, "memory": "mmap", "memoryReason": "no jemalloc"}
     assert transitions({"pods": []}, {"pods": [mapped]}) == []
+
+
+def test_checkpoint_status_records_the_weights_and_the_gpu_memory_left() -> None:
+    from rekindle_operator.checkpointing import manifest_summary
+
+    files = [
+        {"path": "images/pages-1.img", "size": 100},
+        {"path": "weights/tensors.bin", "size": 4000},
+        {"path": "weights/index.json", "size": 96},
+    ]
+    weights = {"released": True, "dir": "weights", "gpu_memory_after_release_bytes": 7 << 20}
+    got = manifest_summary({"files": files, "timings": {}, "weights": weights})
+    assert got["weightsBytes"] == 4096 and got["gpuMemoryAfterSleepBytes"] == 7 << 20
+    # not released (weights in the image): no weight dump to reload; CPU: no GPU figure
+    cpu = manifest_summary({"files": files, "weights": {"released": False, "dir": "weights"}})
+    assert "weightsBytes" not in cpu and "gpuMemoryAfterSleepBytes" not in cpu

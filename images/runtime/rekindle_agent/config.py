@@ -96,6 +96,8 @@ class AgentConfig(AgentArgs):
                 "--proxy-body-buffer-mb must be at least --proxy-max-body-mb: a body of the "
                 "largest allowed size must fit"
             )
+        if self.gpu_host_copy_limit_mb < 0:
+            raise ConfigError("--gpu-host-copy-limit-mb must be >= 0")
         if self.keep_resident_mb < 0:
             raise ConfigError("--keep-resident-mb must be >= 0 (0: off)")
         if self.checkpoint_timeout <= self.drain_timeout:

@@ -35,7 +35,7 @@ from rekindle_contract.rpc import DUMP_WEIGHTS
 from rekindle_store import manifest_io
 
 from rekindle_agent import __version__
-from rekindle_agent.checkpointing import criu, fingerprint, gpu_preflight
+from rekindle_agent.checkpointing import criu, fingerprint, gpu_memory, gpu_preflight
 from rekindle_agent.checkpointing.criu_backend import BackendError, CriuBackend, InPod
 from rekindle_agent.config import AgentConfig
 from rekindle_agent.confinement import io_uring
@@ -159,6 +159,7 @@ def checkpoint(
     preflight_root: str = "/",
     backend: CriuBackend | None = None,
     agent_env: Mapping[str, str] | None = None,
+    gpu_memory_runner: gpu_memory.Runner = gpu_memory.run_nvidia_smi,
 ) -> Manifest:
     """Dump the running vLLM into ckpt; returns the manifest (signed with key, not yet verified).
 
@@ -166,8 +167,9 @@ def checkpoint(
     restore can refuse an environment that differs. With device cuda the GPU
     preflight runs first (gpu_preflight; preflight_root is where it reads
     /proc, "/" but in tests; agent_env: where it reads the pod's allocation,
-    os.environ when None) and its facts join the fingerprint. Raises
-    CheckpointError.
+    os.environ when None) and its facts join the fingerprint; after the release
+    the GPU memory left is measured (gpu_memory_runner runs nvidia-smi) and held
+    to --gpu-host-copy-limit-mb. Raises CheckpointError.
     """
     backend = backend or InPod(criu_info.binary)
     root = vllm.root_pid
@@ -201,6 +203,10 @@ def checkpoint(
 
     weights, release_phases = _release(control, weights_dir)
     phases.update(release_phases)
+    if gpu is not None and weights["released"]:
+        weights["gpu_memory_after_release_bytes"] = _gpu_memory_left(
+            cfg, gpu, control, weights_dir, gpu_memory_runner
+        )
     t = _mark(phases, "release_total", t)
 
     try:
@@ -349,7 +355,48 @@ def gpu_checks(
     )
     if not pre.ok:
         raise CheckpointError(pre.message(), serving=True, reason="unsupported")
+    if shutil.which("nvidia-smi") is None:
+        raise CheckpointError(
+            "nvidia-smi not found: the GPU memory vLLM's sleep leaves (which cuda-checkpoint "
+            "copies into host memory) cannot be measured; give the container the 'utility' "
+            "driver capability (NVIDIA_DRIVER_CAPABILITIES=compute,utility)",
+            serving=True,
+            reason="unsupported",
+        )
     return pre.facts
+
+
+def _gpu_memory_left(
+    cfg: AgentConfig,
+    gpu: gpu_preflight.GpuFacts,
+    control: VllmControl,
+    weights_dir: Path,
+    run: gpu_memory.Runner,
+) -> int:
+    """Bytes still on the pod's GPUs after the sleep; over the host-copy budget (or not
+    measurable) the weights are put back and the checkpoint refused, vLLM serving."""
+    limit = cfg.gpu_host_copy_limit_mb * gpu_memory.MIB * max(1, len(gpu.gpu_uuids))
+    try:
+        left = gpu_memory.used_bytes(gpu.gpu_uuids, run)
+    except gpu_memory.Unmeasured as e:
+        serving = _undo_release(control, weights_dir)
+        raise CheckpointError(
+            f"the GPU memory left after sleep cannot be measured: {e}",
+            serving=serving,
+            reason="gpu_memory_left",
+        ) from e
+    if left > limit:
+        serving = _undo_release(control, weights_dir)
+        raise CheckpointError(
+            f"vLLM's sleep left {left / 2**30:.2f} GiB on its GPU(s), over the host-copy "
+            f"budget of {limit / 2**30:.2f} GiB (--gpu-host-copy-limit-mb "
+            f"{cfg.gpu_host_copy_limit_mb} per GPU): cuda-checkpoint would copy it into the "
+            "pod's memory; find what holds it (vLLM's sleep level, other allocations) or "
+            "raise the budget with the pod's memory",
+            serving=serving,
+            reason="gpu_memory_left",
+        )
+    return left
 
 
 def _release(control: VllmControl, weights_dir: Path) -> tuple[dict[str, Any], dict[str, float]]:

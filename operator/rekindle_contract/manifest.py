@@ -57,6 +57,9 @@ class Manifest(TypedDict, total=False):
     # Where a node agent's dump came from: namespace, pod, pod_uid, node. Signed
     # with the rest: a restore goes only into a pod of the same namespace.
     identity: dict[str, Any]
+    # A node agent's dump of a tree that used a GPU: {"pids": [pids in the pod]} of the
+    # processes its cuda-checkpoint checkpointed, to restore and unlock after CRIU.
+    cuda: dict[str, Any]
     # HMAC-SHA256 over the canonical JSON of every other key, with the
     # InferenceService's signing key: {"algorithm", "key_id", "value"}; absent
     # when the agent had no key (an unsigned checkpoint).

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from rekindle_contract.gpu_map import device_map
 
 from .criu_helpers import CRIU_TIMEOUT, Flavor, Probe, cmdline_has, criu, log_tail, wait_gone
 
@@ -234,7 +235,7 @@ def test_the_agents_own_criu_command_lines_drive_the_plugin(
     )
     assert "--leave-stopped" not in restore
     # Restored onto another GPU than the one it was dumped on: the map reaches the restore.
-    gpu_map = gpu_preflight.device_map(DUMPED_ON, [POD_GPU])
+    gpu_map = device_map(DUMPED_ON, [POD_GPU])
     restore = gpu_preflight.criu_env_argv(restore, cc, env.get("PATH"), gpu_map)
     res = subprocess.run(restore, env=env, capture_output=True, text=True, timeout=CRIU_TIMEOUT)
     assert res.returncode == 0, log_tail(run / "restore.log")

@@ -19,6 +19,7 @@ from rekindle_agent.checkpointing import checkpoint, criu, fingerprint, gpu_memo
 from rekindle_agent.config import AgentConfig
 from rekindle_agent.process_tree.reaper import Result
 from rekindle_agent.supervision.vllm_process import VllmProcess
+from rekindle_contract.gpu_map import device_map
 
 UUID = "GPU-3f1c2a9e-8b7d-4e21-9c0a-5d6e7f8a9b0c"
 OTHER = "GPU-aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee"
@@ -248,15 +249,15 @@ def test_criu_gets_cuda_checkpoint_first_on_path() -> None:
 
 def test_device_map_pairs_the_checkpoints_gpus_with_the_pods_rank_by_rank() -> None:
     a, b, c, d = (f"GPU-{i}{i}{i}{i}0000-0000-0000-0000-000000000000" for i in range(4))
-    assert gpu_preflight.device_map(f"{a},{b}", [c, d]) == f"{a}={c},{b}={d}"
-    assert gpu_preflight.device_map(f"{a},{b}", [b, a]) == f"{a}={b},{b}={a}"  # order kept
-    assert gpu_preflight.device_map(a, [a]) == ""  # every rank keeps its GPU: no map
+    assert device_map(f"{a},{b}", [c, d]) == f"{a}={c},{b}={d}"
+    assert device_map(f"{a},{b}", [b, a]) == f"{a}={b},{b}={a}"  # order kept
+    assert device_map(a, [a]) == ""  # every rank keeps its GPU: no map
     with pytest.raises(ValueError, match=r"made on 2 GPU\(s\).*this pod has 1 .*tensor parallel"):
-        gpu_preflight.device_map(f"{a},{b}", [c])
+        device_map(f"{a},{b}", [c])
     with pytest.raises(ValueError, match="this pod has 0 \\(none\\)"):
-        gpu_preflight.device_map(a, [])
+        device_map(a, [])
     with pytest.raises(ValueError, match="does not record which GPUs"):
-        gpu_preflight.device_map(None, [a])
+        device_map(None, [a])
 
 
 def test_the_gpu_map_reaches_criu_through_its_environment() -> None:

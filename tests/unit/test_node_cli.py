@@ -48,3 +48,18 @@ def test_the_fleet_key_must_be_long_enough(tmp_path: Path) -> None:
         cli.fleet_key(short)
     short.write_bytes(b"k" * 40 + b"\n")
     assert cli.fleet_key(short) == b"k" * 40
+
+
+def test_crius_cuda_plugin_is_refused_and_cuda_checkpoint_must_run(tmp_path: Path) -> None:
+    """The CUDA plugin would run the pod's cuda-checkpoint as root: the node agent runs
+    its own (--cuda-checkpoint) instead."""
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    assert cli.gpu_problem(plugins, None) == ""
+    (plugins / "cuda_plugin.so").write_bytes(b"\x7fELF")
+    assert "holds CRIU's CUDA plugin" in cli.gpu_problem(plugins, None)
+    cc = tmp_path / "cuda-checkpoint"
+    cc.write_text("#!/bin/sh\n")
+    assert "not an executable file" in cli.gpu_problem(None, cc)
+    cc.chmod(0o755)
+    assert cli.gpu_problem(None, cc) == ""

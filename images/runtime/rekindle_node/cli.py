@@ -15,6 +15,7 @@ from rekindle_store.node_cache import NodeCache
 from rekindle_store.s3 import Bucket, Credentials
 
 from rekindle_node import criu_run
+from rekindle_node.cuda import CudaCheckpoint
 from rekindle_node.operations import NodeSettings, ObjectStore, Operations
 from rekindle_node.pod_resources import PodResourcesClient
 from rekindle_node.pod_sockets import PodSockets
@@ -46,7 +47,20 @@ def parser() -> argparse.ArgumentParser:
         help="containerd's task bundles of the CRI namespace: how pods are found and identified",
     )
     p.add_argument("--criu", type=Path, default=Path(os.environ.get("REKINDLE_CRIU", "criu")))
-    p.add_argument("--criu-plugins", type=Path, default=None, help="CRIU's -L (CUDA plugin)")
+    p.add_argument(
+        "--criu-plugins",
+        type=Path,
+        default=None,
+        help="CRIU's -L; never CRIU's CUDA plugin (it would run the pod's cuda-checkpoint): "
+        "GPU trees go through --cuda-checkpoint",
+    )
+    p.add_argument(
+        "--cuda-checkpoint",
+        type=Path,
+        default=None,
+        help="NVIDIA's cuda-checkpoint, in the node agent's filesystem: run by the node agent "
+        "around CRIU for trees that use a GPU (unset: GPU trees are refused)",
+    )
     p.add_argument(
         "--cgroup-root",
         type=Path,
@@ -137,6 +151,18 @@ def object_store(args: argparse.Namespace) -> ObjectStore | None:
     return ObjectStore(bucket, args.store_prefix, max(1, args.store_threads))
 
 
+def gpu_problem(plugins: Path | None, cuda_checkpoint: Path | None) -> str:
+    """What is wrong with the GPU settings ("" when nothing is)."""
+    if plugins is not None and (plugins / "cuda_plugin.so").exists():
+        return (
+            f"--criu-plugins {plugins} holds CRIU's CUDA plugin, which would run the pod's "
+            "cuda-checkpoint as root: leave it out and set --cuda-checkpoint instead"
+        )
+    if cuda_checkpoint is not None and not os.access(cuda_checkpoint, os.X_OK):
+        return f"--cuda-checkpoint {cuda_checkpoint} is not an executable file"
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -150,6 +176,10 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    problem = gpu_problem(args.criu_plugins, args.cuda_checkpoint)
+    if problem:
+        print(f"rekindle-node: {problem}", file=sys.stderr)
+        return 2
     state: Path = args.state_dir
     state.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(state, 0o700)
@@ -162,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             work=state / "work",
             node=args.node_name,
             cgroup_root=args.cgroup_root,
+            cuda=CudaCheckpoint(args.cuda_checkpoint) if args.cuda_checkpoint else None,
         ),
         cache,
         key,

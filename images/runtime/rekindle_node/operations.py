@@ -11,6 +11,7 @@ was made in (the name index is per namespace; the signed identity agrees).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
+from rekindle_contract.gpu_map import device_map
 from rekindle_contract.manifest import (
     IMAGES_SUBDIR,
     MANIFEST_FORMAT,
@@ -33,7 +35,7 @@ from rekindle_store import manifest_io, object_copy, published, verified_copy
 from rekindle_store.node_cache import NodeCache, VerifiedCheckpoint
 from rekindle_store.s3 import Bucket
 
-from rekindle_node import criu_run, identity
+from rekindle_node import criu_run, cuda, identity
 from rekindle_node.pod_resources import PodResourcesClient, PodResourcesError
 from rekindle_node.requests import FD_KEY, Caller, OperationError, Refused, Request
 
@@ -63,6 +65,8 @@ class NodeSettings:
     node: str  # this node's name, recorded in what it dumps
     cgroup_root: Path = criu_run.CGROUP_ROOT  # the node's cgroupfs, as the node agent sees it
     timeout: float = 600.0
+    # The node agent's own cuda-checkpoint, for trees that use a GPU (None: refused).
+    cuda: cuda.CudaCheckpoint | None = None
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,7 @@ class _Pending:
     stage: Path
     pid: int
     seconds: float
+    cuda_pids: tuple[int, ...] = ()  # pids in the pod that cuda-checkpoint checkpointed
 
 
 class Operations:
@@ -129,10 +134,14 @@ class Operations:
         pid = _int_arg(req, "pid")
         pod_init = identity.namespace_init(caller.pid)
         t0 = time.monotonic()
+        want_gpu = _bool_arg(req, "cuda")
+        gpu: dict[int, int] = {}  # pod pid -> host pid, of what cuda-checkpoint checkpointed
         stage = self.cache.new_staging()
         work = Path(tempfile.mkdtemp(prefix="dump.", dir=self.settings.work))
         try:
             (stage / IMAGES_SUBDIR).mkdir(mode=0o700)
+            if want_gpu:
+                gpu = self._checkpoint_gpu(pod_init, pid)
             res = criu_run.dump(
                 self.settings.criu,
                 pod_init,
@@ -145,18 +154,45 @@ class Operations:
             )
             if res.returncode != 0:
                 raise OperationError("criu_failed", _criu_failure("dump", res, work))
-        except BaseException:
+        except BaseException as e:
             shutil.rmtree(stage, ignore_errors=True)
+            if gpu:
+                # CRIU left the tree running: give its processes their GPUs back.
+                left = cuda.undo(self._cuda(), list(gpu.values()))
+                if left and isinstance(e, OperationError):
+                    raise OperationError(e.reason, f"{e}; cuda-checkpoint undo: {left}") from e
             raise
         finally:
             shutil.rmtree(work, ignore_errors=True)
         seconds = time.monotonic() - t0
         with self._lock:
             old = self.pending.pop(caller.container.pod_uid, None)
-            self.pending[caller.container.pod_uid] = _Pending(stage, pid, seconds)
+            self.pending[caller.container.pod_uid] = _Pending(stage, pid, seconds, tuple(gpu))
         if old is not None:
             shutil.rmtree(old.stage, ignore_errors=True)
-        return {"seconds": seconds}
+        return {"seconds": seconds, "cuda_pids": sorted(gpu)}
+
+    def _cuda(self) -> cuda.CudaCheckpoint:
+        if self.settings.cuda is None:
+            raise OperationError(
+                "unsupported",
+                "this node agent has no cuda-checkpoint (--cuda-checkpoint): GPU trees are "
+                "neither dumped nor restored here",
+            )
+        return self.settings.cuda
+
+    def _checkpoint_gpu(self, pod_init: int, pid: int) -> dict[int, int]:
+        """cuda-checkpoint every GPU process of the tree at pid (pod pid -> host pid);
+        after it the tree holds no GPU resource and CRIU dumps it as a CPU tree."""
+        tool = self._cuda()
+        try:
+            tree = cuda.gpu_tree(pod_init, pid)
+            if not tree:
+                raise cuda.CudaError(f"no process of the tree at pid {pid} uses a GPU")
+            cuda.checkpoint(tool, list(tree.values()))
+        except cuda.CudaError as e:
+            raise OperationError("cuda_failed", str(e)) from e
+        return tree
 
     def commit(self, caller: Caller, req: Request) -> dict[str, Any]:
         """Finish the caller's dump as checkpoint args.name: the files below args.dir (in
@@ -192,6 +228,8 @@ class Operations:
                 "dumped_by": "node agent",
                 "dump_flags": list(DUMP_FLAGS),
             }
+            if pending.cuda_pids:
+                man["cuda"] = {"pids": list(pending.cuda_pids)}
             man.setdefault("vllm", {"root_pid": pending.pid})
             man["vllm"]["root_pid"] = pending.pid
             timings = dict(man.get("timings") or {})
@@ -372,6 +410,9 @@ class Operations:
                 raise OperationError("criu_failed", _criu_failure("restore", res, work))
         finally:
             shutil.rmtree(work, ignore_errors=True)
+        gpu_seconds = (
+            self._resume_gpu(caller, entry, pod_init) if entry.manifest.get("cuda") else None
+        )
         answer: dict[str, Any] = {
             "checkpoint": entry.entry,
             "pid": entry.manifest["vllm"]["root_pid"],
@@ -379,7 +420,37 @@ class Operations:
         }
         if copy_why is not None:
             answer["copied"] = f"the node agent copies this checkpoint's memory: {copy_why}"
+        if gpu_seconds is not None:
+            answer["cuda_seconds"] = gpu_seconds
         return answer
+
+    def _gpu_map(self, caller: Caller, entry: VerifiedCheckpoint) -> str:
+        """The checkpoint's GPUs onto the ones the kubelet allocated to the caller."""
+        saved = (entry.manifest.get("fingerprint") or {}).get("gpu_uuid")
+        try:
+            return device_map(saved, self.devices(caller, Request("devices", "", {}))["gpus"])
+        except ValueError as e:
+            raise OperationError("fingerprint_mismatch", str(e)) from e
+
+    def _resume_gpu(self, caller: Caller, entry: VerifiedCheckpoint, pod_init: int) -> float:
+        """Give the restored tree its GPU state back, on the caller's GPUs; a tree that
+        does not come back running is killed (it cannot serve) and the restore fails."""
+        tool = self._cuda()
+        t0 = time.monotonic()
+        pod_pids = [int(p) for p in entry.manifest["cuda"].get("pids") or []]
+        restored: list[int] = []
+        try:
+            gpu_map = self._gpu_map(caller, entry)
+            restored = cuda.translate(pod_pids, pod_init)
+            cuda.resume(tool, restored, gpu_map)
+        except (cuda.CudaError, OperationError) as e:
+            root = entry.manifest["vllm"]["root_pid"]
+            with contextlib.suppress(cuda.CudaError):
+                restored = cuda.translate([root, *pod_pids], pod_init)
+            cuda.kill(restored)
+            reason = e.reason if isinstance(e, OperationError) else "cuda_failed"
+            raise OperationError(reason, f"GPU state not restored (tree killed): {e}") from e
+        return time.monotonic() - t0
 
     def mapped_failed(self, caller: Caller, req: Request) -> dict[str, Any]:
         """A tree of the caller's restored from args.name with mapped memory died of
@@ -472,7 +543,7 @@ class Operations:
 
 
 # What a caller's manifest may not set: the node agent's own record of the checkpoint.
-_NODE_KEYS = frozenset({"files", "identity", "signature", "verified", "format"})
+_NODE_KEYS = frozenset({"files", "identity", "signature", "verified", "format", "cuda"})
 
 
 def _name_arg(req: Request) -> str:

@@ -234,7 +234,16 @@ def checkpoint(
         cuda = gpu.cuda_checkpoint
         env_argv = lambda a: gpu_preflight.criu_env_argv(a, cuda, os.environ.get("PATH"))  # noqa: E731
     try:
-        backend.dump(vllm.reaper, root, images, log, cfg.criu_plugins, cfg.dump_timeout, env_argv)
+        backend.dump(
+            vllm.reaper,
+            root,
+            images,
+            log,
+            cfg.criu_plugins,
+            cfg.dump_timeout,
+            env_argv,
+            cuda=gpu is not None,
+        )
     except TimeoutError as e:
         # Killed mid-dump, CRIU may leave the tree frozen or with its parasite
         # code inside: it cannot be trusted to serve again. The agent kills it

@@ -68,6 +68,9 @@ class CriuBackend:
     privileged = True
     #: what readable() gives was verified, every byte, into storage no tenant can write
     verified_content = False
+    #: a GPU tree's CUDA state is restored and checked running by the backend itself
+    #: (the node agent's cuda-checkpoint); False: CRIU's CUDA plugin did it, the agent checks
+    resumes_cuda = False
     #: set by restore() when memory was copied although mapping was asked for: why
     copied: str | None = None
     #: set by readable(): seconds spent pulling the checkpoint from shared storage first
@@ -84,7 +87,10 @@ class CriuBackend:
         plugins: str | None,
         timeout: float,
         env_argv: ArgvWrap | None = None,
+        cuda: bool = False,
     ) -> None:
+        """Dump the tree at root into images; cuda: it uses a GPU (plugins and env_argv
+        are what CRIU's CUDA plugin needs when CRIU runs in the pod)."""
         raise NotImplementedError
 
     def finish(self, ckpt: Path, man: Manifest, key: bytes | None) -> None:
@@ -146,6 +152,7 @@ class InPod(CriuBackend):
         plugins: str | None,
         timeout: float,
         env_argv: ArgvWrap | None = None,
+        cuda: bool = False,
     ) -> None:
         argv = criu.dump_argv(self.binary, root, str(images), log_file, plugins=plugins)
         if env_argv is not None:
@@ -227,6 +234,7 @@ class NodeAgent(CriuBackend):
     agent_signs = False
     privileged = False
     verified_content = True
+    resumes_cuda = True
 
     def __init__(
         self, socket: str, pod_uid: str, publish: bool = False, store: bool = False
@@ -266,8 +274,11 @@ class NodeAgent(CriuBackend):
         plugins: str | None,
         timeout: float,
         env_argv: ArgvWrap | None = None,
+        cuda: bool = False,
     ) -> None:
-        self._call("dump", {"pid": root}, timeout=timeout)
+        # The node agent runs its own cuda-checkpoint around its CRIU (never the pod's).
+        args: dict[str, Any] = {"pid": root, **({"cuda": True} if cuda else {})}
+        self._call("dump", args, timeout=timeout)
 
     def finish(self, ckpt: Path, man: Manifest, key: bytes | None) -> None:
         """The node agent takes the scratch directory's files and the manifest in."""

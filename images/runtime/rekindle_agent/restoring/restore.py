@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from rekindle_contract.gpu_map import device_map
 from rekindle_contract.manifest import (
     SHM_SUBDIR,
     VERIFIED_NAME,
@@ -223,7 +224,7 @@ def restore(
         if cfg.device == "cuda":
             # Onto this pod's GPUs, rank by rank, or not at all (a count that differs).
             try:
-                gpu_map = gpu_preflight.device_map(
+                gpu_map = device_map(
                     man["fingerprint"].get("gpu_uuid"),
                     gpu_preflight.allocated_devices(agent_env),
                 )
@@ -296,7 +297,7 @@ def restore(
             decision = mmap_policy.Decision(False, backend.copied)
         vllm.adopt(restored_root)
         t = mark("criu_restore", t)
-        if cuda_cc is not None:
+        if cuda_cc is not None and not backend.resumes_cuda:
             failed = cuda_resume.not_resumed(
                 cuda_resume.states(cuda_cc, proctree.tree(restored_root))
             )

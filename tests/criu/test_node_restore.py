@@ -109,3 +109,79 @@ def test_a_worker_restores_into_another_pod_from_the_verified_copy_only(
     assert after["Uid"].split() == [str(UID)] * 4, after["Uid"]
     assert int(after["PPid"]) == target.init  # in the other pod, under its PID 1
     worker.ask(restored, 2)  # same token, the counter went on: the verified bytes ran
+
+
+# A cuda-checkpoint stand-in whose state travels with the process: it keys each process
+# by its pid in its own (the pod's) namespace, which CRIU restores unchanged, so it
+# answers for the process itself, wherever the node agent's host pid points.
+FAKE_CUDA = r"""#!PYTHON
+import os, sys
+a = sys.argv[1:]
+pid = a[a.index("--pid") + 1]
+status = open(f"/proc/{pid}/status").read()
+key = [ln.split()[-1] for ln in status.splitlines() if ln.startswith("NSpid:")][0]
+path = os.path.join(os.environ["FAKE_CUDA_STATE"], key)
+with open(os.environ["FAKE_CUDA_LOG"], "a") as f:
+    f.write(" ".join(a) + f" (pod pid {key})\n")
+state = open(path).read() if os.path.exists(path) else "running"
+if a[0] == "--get-state":
+    print(state); sys.exit(0)
+action = a[a.index("--action") + 1]
+moves = {("lock", "running"): "locked", ("checkpoint", "locked"): "checkpointed",
+         ("restore", "checkpointed"): "locked", ("unlock", "locked"): "running"}
+if (action, state) not in moves:
+    print(f"cannot {action} a {state} process", file=sys.stderr); sys.exit(1)
+open(path, "w").write(moves[(action, state)])
+"""
+
+
+def test_a_gpu_worker_is_checkpointed_by_host_pid_and_resumed_in_the_other_pod(
+    criu_prefix: Path, tmp_path: Path, pods: list[Pod], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The node agent's GPU sequence (rekindle_node.cuda) around a real dump and a restore
+    into another pod: the process is named by its pod pid in between, and found again by
+    its new host pid after the restore."""
+    import sys
+
+    from rekindle_node import cuda
+
+    state, log = tmp_path / "cuda-state", tmp_path / "cuda.log"
+    state.mkdir()
+    binary = tmp_path / "cuda-checkpoint"
+    binary.write_text(FAKE_CUDA.replace("PYTHON", sys.executable, 1))
+    binary.chmod(0o755)
+    monkeypatch.setenv("FAKE_CUDA_STATE", str(state))
+    monkeypatch.setenv("FAKE_CUDA_LOG", str(log))
+    tool = cuda.CudaCheckpoint(binary, timeout=30)
+
+    files = criu_run.CriuFiles(criu=flavors(criu_prefix)["patched"].criu)
+    for d in ("pod-a", "pod-b"):
+        (tmp_path / d).mkdir()
+    source = Pod(tmp_path / "pod-a")
+    pods.append(source)
+    worker = source.start_worker()
+    worker.ask(worker.host_pid, 1)
+
+    tree = cuda.gpu_tree(source.init, worker.ns_pid, uses={worker.host_pid}.__contains__)
+    assert tree == {worker.ns_pid: worker.host_pid}
+    cuda.checkpoint(tool, list(tree.values()))
+    assert tool.state(worker.host_pid) == "checkpointed"
+
+    images, work = tmp_path / "node" / "images", tmp_path / "node" / "work"
+    images.mkdir(parents=True)
+    work.mkdir()
+    res = criu_run.dump(files, source.init, worker.ns_pid, images, work, FLAGS)
+    assert res.returncode == 0, res.output + _errors(work, "dump.log")
+    wait_gone(worker.host_pid)
+
+    target = Pod(tmp_path / "pod-b")
+    pods.append(target)
+    res = criu_run.restore(files, target.init, images, work, FLAGS)
+    assert res.returncode == 0, res.output + _errors(work, "restore.log")
+    restored = cuda.translate(list(tree), target.init)
+    assert restored == [target.child(worker.ns_pid)] and restored != [worker.host_pid]
+    assert tool.state(restored[0]) == "checkpointed"  # CRIU brought the CPU side only
+    cuda.resume(tool, restored, "GPU-old=GPU-new")
+    assert tool.state(restored[0]) == "running"
+    assert f"--action restore --pid {restored[0]} --device-map GPU-old=GPU-new" in log.read_text()
+    worker.ask(restored[0], 2)  # it serves on

@@ -58,7 +58,7 @@ MEASURED_BY: dict[str, tuple[str, ...]] = {
     "gpu": (
         _DEV + "gpu_probe.py",
         _DEV + "cuda_checkpoint_cli.py",
-        "images/runtime/rekindle_agent/checkpointing/nvidia_fds.py",
+        "images/runtime/rekindle_node/nvidia_fds.py",
         "images/runtime/rekindle_agent/checkpointing/criu.py",
         "criu-patches",
     ),

@@ -44,7 +44,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rekindle_agent.checkpointing import criu, gpu_preflight, nvidia_fds
+from rekindle_agent.checkpointing import criu, gpu_preflight
+from rekindle_node import nvidia_fds
 
 from rekindle_dev import cuda_checkpoint_cli
 from rekindle_dev.cuda_checkpoint_cli import Driver
@@ -56,7 +57,7 @@ MEASURED_PATHS = (
     "scripts/build-criu",
     "images/runtime/rekindle_agent/checkpointing/criu.py",
     "images/runtime/rekindle_agent/checkpointing/gpu_preflight.py",
-    "images/runtime/rekindle_agent/checkpointing/nvidia_fds.py",
+    "images/runtime/rekindle_node/nvidia_fds.py",
     "scripts/rekindle_dev/gpu_probe.py",
     "scripts/rekindle_dev/cuda_checkpoint_cli.py",
 )

@@ -52,6 +52,7 @@ class Tool:
     def __init__(self, tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         self.state, self.log = tmp / "state", tmp / "calls.log"
         self.state.mkdir()
+        self.proc = tmp / "no-proc"  # the fake pids have no /proc entry: no NVIDIA files
         binary = tmp / "cuda-checkpoint"
         binary.write_text(FAKE.replace("/usr/bin/env python3", sys.executable, 1))
         binary.chmod(0o755)
@@ -94,7 +95,7 @@ def tree() -> Iterator[list[int]]:
 
 def test_every_process_is_locked_before_any_is_checkpointed(tool: Tool) -> None:
     pids = [101, 102]
-    cuda.checkpoint(tool.tool, pids)
+    cuda.checkpoint(tool.tool, pids, tool.proc)
     assert tool.calls() == [
         "--action lock --pid 101",
         "--action lock --pid 102",
@@ -109,14 +110,30 @@ def test_a_failed_checkpoint_gives_every_process_its_gpu_back(
 ) -> None:
     monkeypatch.setenv("FAKE_CUDA_FAIL", "checkpoint:102")
     with pytest.raises(cuda.CudaError, match="checkpoint --pid 102 exited 1: checkpoint failed"):
-        cuda.checkpoint(tool.tool, [101, 102])
+        cuda.checkpoint(tool.tool, [101, 102], tool.proc)
     assert tool.states([101, 102]) == ["running", "running"]
     assert "--action restore --pid 101" in tool.calls()  # the one already checkpointed
     assert "--action unlock --pid 102" in tool.calls()  # the one only locked
 
 
+def test_an_nvidia_file_left_open_after_the_checkpoint_is_named_and_undone(
+    tool: Tool, tmp_path: Path
+) -> None:
+    """NVML initialised and never shut down holds /dev/nvidiactl past cuda-checkpoint's
+    release on some drivers: CRIU would fail on it, so it is named first."""
+    proc = tmp_path / "proc"
+    for pid, fds in ((101, {}), (102, {3: "/dev/nvidiactl", 4: "/tmp/x"})):
+        (proc / str(pid) / "fd").mkdir(parents=True)
+        for fd, target in fds.items():
+            os.symlink(target, proc / str(pid) / "fd" / str(fd))
+        (proc / str(pid) / "maps").write_text("")
+    with pytest.raises(cuda.CudaError, match=r"pid 102 fd 3: /dev/nvidiactl \(control\)"):
+        cuda.checkpoint(tool.tool, [101, 102], proc)
+    assert tool.states([101, 102]) == ["running", "running"]
+
+
 def test_resume_maps_the_gpus_unlocks_and_checks_each_runs(tool: Tool) -> None:
-    cuda.checkpoint(tool.tool, [101, 102])
+    cuda.checkpoint(tool.tool, [101, 102], tool.proc)
     cuda.resume(tool.tool, [101, 102], "GPU-a=GPU-b")
     assert tool.calls()[4:] == [
         "--action restore --pid 101 --device-map GPU-a=GPU-b",
@@ -132,7 +149,7 @@ def test_resume_maps_the_gpus_unlocks_and_checks_each_runs(tool: Tool) -> None:
 def test_a_restore_the_driver_refuses_is_an_error_naming_the_process(
     tool: Tool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    cuda.checkpoint(tool.tool, [101])
+    cuda.checkpoint(tool.tool, [101], tool.proc)
     monkeypatch.setenv("FAKE_CUDA_FAIL", "restore:101")
     with pytest.raises(cuda.CudaError, match="restore --pid 101 --device-map GPU-a=GPU-b exited"):
         cuda.resume(tool.tool, [101], "GPU-a=GPU-b")

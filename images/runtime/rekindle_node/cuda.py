@@ -29,6 +29,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from rekindle_node import nvidia_fds
+
 PROC = Path("/proc")
 RUNNING = "running"
 
@@ -104,15 +106,7 @@ def host_pids(pod_init: int, proc: Path = PROC) -> dict[int, int]:
 
 def uses_gpu(host_pid: int, proc: Path = PROC) -> bool:
     """Whether the process maps or holds an NVIDIA device file (a CUDA context)."""
-    with contextlib.suppress(OSError):
-        if "/dev/nvidia" in (proc / str(host_pid) / "maps").read_text(errors="replace"):
-            return True
-    with contextlib.suppress(OSError):
-        for fd in (proc / str(host_pid) / "fd").iterdir():
-            with contextlib.suppress(OSError):
-                if os.readlink(fd).startswith("/dev/nvidia"):
-                    return True
-    return False
+    return bool(nvidia_fds.scan(host_pid, proc))
 
 
 def gpu_tree(
@@ -150,17 +144,22 @@ def translate(pod_pids: Iterable[int], pod_init: int, proc: Path = PROC) -> list
     return [table[p] for p in pod_pids]
 
 
-def checkpoint(tool: CudaCheckpoint, pids: Sequence[int]) -> None:
-    """Lock every process, then checkpoint each (host pids). On a failure what was done
-    is undone (undo) and CudaError raised: the tree serves on."""
+def checkpoint(tool: CudaCheckpoint, pids: Sequence[int], proc: Path = PROC) -> None:
+    """Lock every process, then checkpoint each (host pids); then no NVIDIA device file
+    may be left open or mapped in them (CUDA released its own; an NVML handle never shut
+    down would fail CRIU's dump), each leftover named. On a failure what was done is
+    undone (undo) and CudaError raised: the tree serves on."""
     try:
         for pid in pids:
             tool.action("lock", pid)
         for pid in pids:
             tool.action("checkpoint", pid)
+        handles = nvidia_fds.scan_tree(pids, proc)
+        if handles:
+            raise CudaError(nvidia_fds.leftover_message(handles))
     except CudaError as e:
-        left = undo(tool, pids)
-        raise CudaError(f"{e}{'; undo failed: ' + left if left else ''}") from e
+        failed = undo(tool, pids)
+        raise CudaError(f"{e}{'; undo failed: ' + failed if failed else ''}") from e
 
 
 def resume(tool: CudaCheckpoint, pids: Sequence[int], device_map: str) -> None:

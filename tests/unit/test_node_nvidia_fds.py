@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from rekindle_agent.checkpointing import nvidia_fds
+from rekindle_node import nvidia_fds
 
 MAPS = """\
 7f0000000000-7f0000200000 rw-s 00000000 00:05 12 /dev/nvidia0

@@ -12,12 +12,11 @@ kind, so a refusal says what to close.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-
-from rekindle_agent.process_tree import proctree
 
 _KINDS = (
     (re.compile(r"/dev/nvidiactl"), "control"),
@@ -51,12 +50,42 @@ def kind_of(path: str) -> str | None:
     return None
 
 
+def fd_targets(pid: int, proc: Path) -> dict[int, str]:
+    """fd number -> readlink target for one process (a missing process: empty)."""
+    out: dict[int, str] = {}
+    fd_dir = proc / str(pid) / "fd"
+    try:
+        names = os.listdir(fd_dir)
+    except OSError:
+        return out
+    for name in names:
+        try:
+            out[int(name)] = os.readlink(fd_dir / name)
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def mapped_paths(pid: int, proc: Path) -> set[str]:
+    """Paths of one process's file-backed mappings."""
+    out: set[str] = set()
+    try:
+        text = (proc / str(pid) / "maps").read_text(errors="replace")
+    except OSError:
+        return out
+    for line in text.splitlines():
+        parts = line.split(None, 5)
+        if len(parts) == 6 and parts[5].startswith("/"):
+            out.add(parts[5])
+    return out
+
+
 def scan(pid: int, proc: str | Path = "/proc") -> list[NvidiaHandle]:
     """Every NVIDIA device descriptor and mapped device file of one process."""
     root = Path(proc)
-    fds = proctree.fd_targets(pid, root).items()
+    fds = fd_targets(pid, root).items()
     out = [NvidiaHandle(pid, fd, t, k) for fd, t in fds if (k := kind_of(t))]
-    maps = proctree.mapped_paths(pid, root)
+    maps = mapped_paths(pid, root)
     out += [NvidiaHandle(pid, None, p, k) for p in maps if (k := kind_of(p))]
     return sorted(out, key=lambda h: (h.pid, h.fd is None, h.fd or 0, h.path))
 

@@ -595,8 +595,11 @@ def main(argv: list[str] | None = None) -> int:
         results[name]["phase_s"] = secs(t)
         (out / "gpu-probe.json").write_text(json.dumps(results, indent=1))
         print(f"[probe] {name}: {json.dumps(results[name])[:1500]}", flush=True)
+    # Again at the end: phases skipped for the budget are results too.
+    (out / "gpu-probe.json").write_text(json.dumps(results, indent=1))
     logs = work / "logs"
     shutil.rmtree(logs, ignore_errors=True)
+    logs.mkdir(parents=True)
     for log in list(work.rglob("*.log")):
         (logs / log.parent.name).mkdir(parents=True, exist_ok=True)
         shutil.copyfile(log, logs / log.parent.name / log.name)

@@ -41,9 +41,8 @@ from rekindle_contract.pod import (
 )
 from rekindle_contract.vllm_argv import MM_AUTO_ENV
 
-from rekindle_operator import admin_tls
+from rekindle_operator import admin_tls, placement
 from rekindle_operator.agent_command import KV_STORE_MOUNT, agent_command
-from rekindle_operator.checkpoint_storage import prefer_node
 from rekindle_operator.constants import (
     ANN_FINGERPRINT,
     ANN_RESTART,
@@ -372,6 +371,9 @@ def build_pod_template(
         # (and the loopback ones) stay as set even if a Secret holds the same names.
         container["envFrom"] = env_from_manifest(spec.env_from)
     merge_into(template, container, spec.pod_template)
+    if placement.uses_gate(spec.storage.type):
+        # Released by the operator with the warm nodes of the moment (placement.py).
+        template["spec"]["schedulingGates"] = [{"name": placement.GATE}]
     return template
 
 
@@ -641,21 +643,16 @@ def build_deployment(
     shm_bytes: int,
     fingerprint: str,
     owner: Mapping[str, Any] | None = None,
-    restore_node: str = "",
     surge: int = 0,
 ) -> Obj:
     """The vLLM pods: the agent as entrypoint, /dev/shm sized, checkpoint storage mounted.
 
     surge: replicas beyond spec.replicas (one while an automatic checkpoint runs,
-    auto_checkpoint.surge), never from zero.
-
-    restore_node: the node holding the hostPath checkpoint new pods restore from;
-    they prefer it (checkpoint_storage.prefer_node). The template changes when it
-    does, so the first checkpoint on a node rolls the replicas onto restored ones.
+    auto_checkpoint.surge), never from zero. Where each new pod goes is decided when
+    it is created, not here (placement.py).
     """
     uid = str(((owner or {}).get("metadata") or {}).get("uid") or "")
     template = build_pod_template(spec, shm_bytes, fingerprint, uid)
-    prefer_node(template["spec"], restore_node)
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",

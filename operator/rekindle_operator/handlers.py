@@ -12,8 +12,8 @@ from typing import Any
 
 import kopf
 
-from rekindle_operator import checkpointing, reconcile
-from rekindle_operator.constants import CKPT_PLURAL, GROUP, ISVC_PLURAL, VERSION
+from rekindle_operator import checkpointing, placement, reconcile
+from rekindle_operator.constants import CKPT_PLURAL, GROUP, ISVC_PLURAL, NAME_LABEL, VERSION
 from rekindle_operator.kube import Kube
 from rekindle_operator.pods import Agents
 from rekindle_operator.settings import Settings, from_env
@@ -89,6 +89,16 @@ def isvc_changed(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
 def isvc_refresh(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
     """Level-based catch-up: pod readiness, agent boot reports, new checkpoints."""
     _reconcile(body, patch)
+
+
+def _gated(body: kopf.Body, **_: Any) -> bool:
+    return placement.gated(body)
+
+
+@kopf.on.event("", "v1", "pods", labels={NAME_LABEL: kopf.PRESENT}, when=_gated)
+def pod_gated(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
+    """A new replica waits for its place: toward the nodes that hold its checkpoint."""
+    logger.info("released: %s", reconcile.release_pod(kube(), body))
 
 
 def _checkpoint_unfinished(status: kopf.Status, **_: Any) -> bool:

@@ -8,6 +8,7 @@ one-time values (the token, the PVC).
 from __future__ import annotations
 
 import base64
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -15,18 +16,19 @@ from rekindle_contract import restore_pointer
 from rekindle_contract.api import SERVE_PORT
 from rekindle_contract.pod import SIGNING_KEY_KEY
 
-from rekindle_operator import admin_tls, auto_checkpoint
+from rekindle_operator import admin_tls, auto_checkpoint, placement
 from rekindle_operator import builders as b
 from rekindle_operator.adoption import foreign_object
-from rekindle_operator.checkpoint_storage import node_to_prefer, restore_node, rwo_spread_warning
+from rekindle_operator.checkpoint_storage import rwo_spread_warning
 from rekindle_operator.constants import (
     ANN_AGENT_READY,
     ANN_BOOT_PATH,
     ANN_BOOT_REASON,
     ANN_RESTORED_FROM,
     CKPT_KIND,
+    NAME_LABEL,
 )
-from rekindle_operator.kube import Kube
+from rekindle_operator.kube import Kube, KubeError
 from rekindle_operator.pods import Agents, read_token, service_pods
 from rekindle_operator.selection import (
     current_spec_pods,
@@ -42,6 +44,7 @@ from rekindle_operator.status import Observed, PodBoot, compute_status, pod_boot
 
 Emit = Callable[[str, str, str], None]  # (Normal|Warning, reason, message)
 Body = Mapping[str, Any]
+log = logging.getLogger("rekindle.operator")
 
 
 def spec_of(body: Body) -> IsvcSpec:
@@ -147,13 +150,9 @@ def ensure_objects(
     shm_bytes: int,
     settings: Settings | None = None,
     deployment: bool = True,
-    node: str = "",
     surge: int = 0,
 ) -> None:
-    """Everything else the InferenceService owns; the Deployment only when deployment is True.
-
-    node: where the hostPath checkpoint new pods restore from lives (preferred for them).
-    """
+    """Everything else the InferenceService owns; the Deployment only when deployment is True."""
     settings = settings or Settings()
     if settings.network_policy:
         kube.apply(
@@ -167,9 +166,7 @@ def ensure_objects(
     kube.apply(b.build_service(spec, owner=body))
     if deployment:
         kube.apply(
-            b.build_deployment(
-                spec, shm_bytes, spec_fingerprint(spec), owner=body, restore_node=node, surge=surge
-            )
+            b.build_deployment(spec, shm_bytes, spec_fingerprint(spec), owner=body, surge=surge)
         )
 
 
@@ -207,20 +204,6 @@ def keep_checkpoints_current(
                 f"checkpointing the current spec ({fingerprint}) as Checkpoint "
                 f"{ckpt['metadata']['name']}, with one replica more while it runs",
             )
-
-
-def hostpath_restore_node(
-    kube: Kube, spec: IsvcSpec, checkpoints: list[dict[str, Any]], in_use: str | None
-) -> str:
-    """The node new pods should prefer (a hostPath checkpoint's), or "" (see node_to_prefer)."""
-    node = restore_node(spec, checkpoints, in_use)
-    if not node:
-        return ""
-    pods = kube.list("Pod", spec.namespace, b.selector_string(spec.name))
-    live = [p for p in pods if not (p.get("metadata") or {}).get("deletionTimestamp")]
-    deployment = kube.get("Deployment", spec.namespace, b.deployment_name(spec.name))
-    nodes = [(p.get("spec") or {}).get("nodeName") or "" for p in live]
-    return node_to_prefer(node, deployment, nodes)
 
 
 def storage_warning(
@@ -341,13 +324,15 @@ def reconcile(
             shm_bytes,
             settings,
             deployment=tls_error is None,
-            node=hostpath_restore_node(kube, spec, checkpoints, in_use),
             surge=auto_checkpoint.surge(checkpoints, spec.name),
         )
         keep_checkpoints_current(kube, spec, checkpoints, emit)
     deployment = kube.get("Deployment", spec.namespace, b.deployment_name(spec.name))
+    if deployment and placement.uses_gate(spec.storage.type):
+        release_gated(kube, spec)
     nodes: set[str] = set()
     pods = observe_pods(kube, spec, agents, nodes) if deployment else ()
+    record_cached_nodes(kube, spec, checkpoints, in_use, pods)
     obs = Observed(
         spec_replicas=spec.replicas,
         deployment=deployment,
@@ -373,6 +358,62 @@ def reconcile(
     for kind, reason, message in transitions(old, new):
         emit(kind, reason, message)
     return new
+
+
+def record_cached_nodes(
+    kube: Kube,
+    spec: IsvcSpec,
+    checkpoints: list[dict[str, Any]],
+    in_use: str | None,
+    pods: tuple[PodBoot, ...],
+) -> None:
+    """Add to the checkpoint in use the nodes where a replica restored from it (their node
+    agent verified it into its cache): where new replicas are placed (placement.py)."""
+    if not in_use or not placement.uses_gate(spec.storage.type):
+        return
+    ckpt = next((c for c in checkpoints if c["metadata"]["name"] == in_use), None)
+    path = (ckpt or {}).get("status", {}).get("path")
+    if ckpt is None or not path:
+        return
+    restored_on = [p.node for p in pods if p.origin == "restored" and p.checkpoint == path]
+    nodes = placement.cached_nodes(ckpt, restored_on)
+    if nodes is not None:
+        kube.merge_patch(
+            "Checkpoint", spec.namespace, in_use, {"status": {"cachedNodes": nodes}}, sub="status"
+        )
+
+
+def release_gated(kube: Kube, spec: IsvcSpec) -> None:
+    """Release any pod of the service still gated: the pod watch releases each one as it
+    is created, but an event handler is not retried, and pods created while the operator
+    was down wait for it."""
+    for pod in kube.list("Pod", spec.namespace, b.selector_string(spec.name)):
+        if placement.gated(pod) and not (pod.get("metadata") or {}).get("deletionTimestamp"):
+            log.info("pod %s: %s", pod["metadata"]["name"], release_pod(kube, pod))
+
+
+def release_pod(kube: Kube, pod: Body) -> str:
+    """Release a pod created gated (placement.GATE) toward the warm nodes of its service's
+    checkpoint in use; returns them in words. A pod whose service or checkpoint cannot be
+    read is released all the same: a gate is never left on because of an error here."""
+    meta = pod["metadata"]
+    ns, isvc_name = meta["namespace"], (meta.get("labels") or {}).get(NAME_LABEL, "")
+    warm: list[str] = []
+    resident: list[str] = []
+    try:
+        isvc = kube.get("InferenceService", ns, isvc_name) or {}
+        status = isvc.get("status") or {}
+        in_use = status.get("checkpoint") or ""
+        ckpt = kube.get("Checkpoint", ns, in_use) if in_use else None
+        warm = placement.warm_nodes(ckpt)
+        resident = placement.resident_nodes(status)
+    except KubeError as e:
+        log.warning("placing pod %s/%s without warm nodes: %s", ns, meta["name"], e)
+    kube.merge_patch("Pod", ns, meta["name"], placement.release_patch(pod, warm, resident))
+    if not warm:
+        return "no node holds its checkpoint yet"
+    hot = [n for n in resident if n in warm]
+    return f"prefers {', '.join(warm)}" + (f" ({', '.join(hot)} resident)" if hot else "")
 
 
 def _path_of(checkpoints: list[dict[str, Any]], name: str | None) -> str | None:

@@ -8,12 +8,7 @@ import pytest
 from rekindle_contract.model_cache import MODEL_CACHE_MOUNT, MODEL_MOUNT, model_path, repo_dir
 from rekindle_operator import builders as b
 from rekindle_operator.agent_command import agent_command
-from rekindle_operator.checkpoint_storage import (
-    node_to_prefer,
-    prefer_node,
-    restore_node,
-    rwo_spread_warning,
-)
+from rekindle_operator.checkpoint_storage import rwo_spread_warning
 from rekindle_operator.model_source import parse_model
 from rekindle_operator.shm_sizing import effective_shm_bytes, shm_need
 from rekindle_operator.spec import IsvcSpec, SpecError, parse_spec
@@ -251,45 +246,19 @@ def hostpath_spec() -> IsvcSpec:
     )
 
 
-def test_hostpath_restore_prefers_the_checkpoints_node() -> None:
+def test_node_local_checkpoints_create_pods_gated_for_placement() -> None:
+    """hostPath and node storage: each new pod waits for the operator to place it
+    (placement.py); a claim any node mounts needs no placement."""
+    from rekindle_operator import placement
+
     s = hostpath_spec()
-    checkpoints = [
-        {"metadata": {"name": "old"}, "status": {"node": "node-a"}},
-        {"metadata": {"name": "new"}, "status": {"node": "node-b"}},
-    ]
-    node = restore_node(s, checkpoints, "new")
-    assert node == "node-b"
-    dep = b.build_deployment(s, effective_shm_bytes(s, shm_need(s)), "fp", restore_node=node)
-    terms = dep["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
-        "preferredDuringSchedulingIgnoredDuringExecution"
-    ]
-    assert terms == [
-        {
-            "weight": 100,
-            "preference": {
-                "matchFields": [{"key": "metadata.name", "operator": "In", "values": ["node-b"]}]
-            },
-        }
-    ]
-    # No checkpoint in use, or PVC storage (any node mounting the claim sees it): no affinity.
-    assert restore_node(s, checkpoints, None) == ""
-    assert restore_node(spec_with({"source": "/m"}), checkpoints, "new") == ""
-    plain = b.build_deployment(s, effective_shm_bytes(s, shm_need(s)), "fp")
-    assert "nodeAffinity" not in (plain["spec"]["template"]["spec"].get("affinity") or {})
-
-
-def test_prefer_node_keeps_the_users_affinity() -> None:
-    pod_spec: dict[str, Any] = {
-        "affinity": {
-            "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"x": 1}},
-            "podAntiAffinity": {"y": 2},
-        }
-    }
-    prefer_node(pod_spec, "n1")
-    aff = pod_spec["affinity"]
-    assert aff["podAntiAffinity"] == {"y": 2}
-    assert aff["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"] == {"x": 1}
-    assert len(aff["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]) == 1
+    dep = b.build_deployment(s, effective_shm_bytes(s, shm_need(s)), "fp")
+    pod_spec = dep["spec"]["template"]["spec"]
+    assert pod_spec["schedulingGates"] == [{"name": placement.GATE}]
+    assert "nodeAffinity" not in (pod_spec.get("affinity") or {})  # decided per pod
+    claim = spec_with({"source": "/m"})
+    plain = b.build_deployment(claim, effective_shm_bytes(claim, shm_need(claim)), "fp")
+    assert "schedulingGates" not in plain["spec"]["template"]["spec"]
 
 
 def test_read_write_once_on_several_nodes_warns() -> None:
@@ -302,10 +271,11 @@ def test_read_write_once_on_several_nodes_warns() -> None:
     assert rwo_spread_warning(hostpath_spec(), "c", ["ReadWriteOnce"], ["n1", "n2"]) is None
 
 
-def test_reconcile_pins_restores_to_the_checkpoint_node_and_warns_on_rwo_spread() -> None:
+def test_reconcile_places_new_pods_by_the_checkpoint_node_and_warns_on_rwo_spread() -> None:
     """Through reconcile, against the in-memory apiserver of the checkpointing tests."""
+    from rekindle_operator import placement
     from rekindle_operator.pods import Agents
-    from rekindle_operator.reconcile import reconcile, spec_of
+    from rekindle_operator.reconcile import reconcile, release_pod, spec_of
 
     from tests.unit.test_operator_checkpointing import NS, FakeAgent, new_ckpt, pod_obj, world
 
@@ -324,13 +294,31 @@ def test_reconcile_pins_restores_to_the_checkpoint_node_and_warns_on_rwo_spread(
         node="node-a",
         completedAt="2026-01-02T00:00:00Z",
     )
-    reconcile(kube, isvc, lambda *e: events.append(e), Agents(FakeAgent()))  # type: ignore[arg-type]
+    isvc["status"] = reconcile(kube, isvc, lambda *e: events.append(e), Agents(FakeAgent()))  # type: ignore[arg-type]
+    kube.put(isvc)
     dep = kube.get("Deployment", NS, "tiny")
     assert dep is not None
-    pref = dep["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
+    template = dep["spec"]["template"]
+    assert template["spec"]["schedulingGates"] == [{"name": placement.GATE}]
+    new = pod_obj("tiny-new", fingerprint=fp)
+    new["spec"] = dict(template["spec"])
+    kube.put(new)
+    assert release_pod(kube, new) == "prefers node-a"
+    released = kube.get("Pod", NS, "tiny-new")
+    assert released is not None and not placement.gated(released)
+    pref = released["spec"]["affinity"]["nodeAffinity"][
         "preferredDuringSchedulingIgnoredDuringExecution"
     ]
     assert pref[0]["preference"]["matchFields"][0]["values"] == ["node-a"]
+    kube.delete("Pod", NS, "tiny-new")
+    # One the pod watch missed (the operator was down): the next reconcile releases it.
+    left = pod_obj("tiny-left", fingerprint=fp)
+    left["spec"] = dict(template["spec"])
+    kube.put(left)
+    reconcile(kube, isvc, lambda *e: events.append(e), Agents(FakeAgent()))  # type: ignore[arg-type]
+    after = kube.get("Pod", NS, "tiny-left")
+    assert after is not None and not placement.gated(after)
+    kube.delete("Pod", NS, "tiny-left")
 
     # PVC storage (ReadWriteOnce by default) with replicas on two nodes: one Warning.
     isvc["spec"]["coldStart"] = {"storage": {"type": "pvc"}}
@@ -353,21 +341,7 @@ def test_reconcile_pins_restores_to_the_checkpoint_node_and_warns_on_rwo_spread(
     isvc["status"] = st
     st = reconcile(kube, isvc, lambda *e: events.append(e), Agents(FakeAgent()))  # type: ignore[arg-type]
     assert "storageWarning" in st and st["storageWarning"] is None
-    # No hostPath checkpoint in use: no affinity on the template.
+    # A claim any node mounts: no gate on the template.
     dep = kube.get("Deployment", NS, "tiny")
     assert dep is not None
-    assert "nodeAffinity" not in (dep["spec"]["template"]["spec"].get("affinity") or {})
-
-
-def test_node_preference_goes_on_only_when_it_moves_a_pod() -> None:
-    """A template change rolls every replica: a checkpoint must not roll pods already
-    on its node (the single-node case), but must steer pods elsewhere or to come."""
-    with_pref: dict[str, Any] = {"spec": {"template": {"spec": {}}}}
-    prefer_node(with_pref["spec"]["template"]["spec"], "a")
-    assert node_to_prefer("a", None, ["a", "a"]) == ""  # all there: nothing to gain
-    assert node_to_prefer("a", None, ["a", "b"]) == "a"  # one cannot restore where it is
-    assert node_to_prefer("a", None, ["a", ""]) == "a"  # one waits to be scheduled
-    assert node_to_prefer("a", None, []) == "a"  # no replicas: nothing to roll
-    assert node_to_prefer("a", with_pref, ["a"]) == "a"  # kept once on (no flip-flop)
-    assert node_to_prefer("b", with_pref, ["b"]) == ""  # another node's preference goes
-    assert node_to_prefer("", with_pref, []) == ""
+    assert "schedulingGates" not in dep["spec"]["template"]["spec"]

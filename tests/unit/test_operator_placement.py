@@ -110,23 +110,56 @@ def test_pod_template_lands_in_the_pod_and_the_operators_labels_win() -> None:
     assert dep["spec"]["selector"]["matchLabels"] == {NAME_LABEL: "m"}
 
 
-def test_user_affinity_and_the_restore_node_preference_both_hold() -> None:
-    """A hostPath restore prefers the checkpoint's node; the user's required terms stay."""
-    s = spec(podTemplate=PLACEMENT)
-    dep = b.build_deployment(s, 2**30, "fp", restore_node="node-7")
-    node_aff = dep["spec"]["template"]["spec"]["affinity"]["nodeAffinity"]
+def test_a_gated_pod_is_released_toward_the_warm_nodes_keeping_the_users_affinity() -> None:
+    """The release adds preferred terms for the warm nodes (more weight where resident) to
+    the pod's own affinity, and removes only the operator's gate."""
+    from rekindle_operator import placement
+
+    s = spec(podTemplate=PLACEMENT, coldStart={"storage": {"type": "node"}})
+    pod = {"spec": b.build_deployment(s, 2**30, "fp")["spec"]["template"]["spec"]}
+    pod["spec"]["schedulingGates"].append({"name": "example.com/quota"})
+    ckpt = {"status": {"node": "node-a", "cachedNodes": ["node-c", "node-b"]}}
+    isvc_status = {
+        "nodes": [
+            {"name": "node-b", "checkpointCached": True, "residentPercent": 97.0},
+            {"name": "node-c", "checkpointCached": True, "residentPercent": 40.0},
+            {"name": "node-z", "checkpointCached": False, "residentPercent": 100.0},
+        ]
+    }
+    warm, resident = placement.warm_nodes(ckpt), placement.resident_nodes(isvc_status)
+    assert (warm, resident) == (["node-a", "node-b", "node-c"], ["node-b"])
+    patch = placement.release_patch(pod, warm, resident)
+    assert patch["spec"]["schedulingGates"] == [{"name": "example.com/quota"}]
+    node_aff = patch["spec"]["affinity"]["nodeAffinity"]
     assert (
         node_aff["requiredDuringSchedulingIgnoredDuringExecution"]
-        == (
-            PLACEMENT["spec"]["affinity"]["nodeAffinity"][
-                "requiredDuringSchedulingIgnoredDuringExecution"
-            ]
-        )
+        == PLACEMENT["spec"]["affinity"]["nodeAffinity"][
+            "requiredDuringSchedulingIgnoredDuringExecution"
+        ]
     )
-    (pref,) = node_aff["preferredDuringSchedulingIgnoredDuringExecution"]
-    assert pref["preference"]["matchFields"][0]["values"] == ["node-7"]
-    # The spec value itself is untouched (the next build starts from it again).
-    assert "preferredDuringSchedulingIgnoredDuringExecution" not in json.dumps(s.pod_template.spec)
+    prefs = node_aff["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert [(t["weight"], t["preference"]["matchFields"][0]["values"]) for t in prefs[-2:]] == [
+        (placement.WARM_WEIGHT, ["node-a", "node-b", "node-c"]),
+        (placement.RESIDENT_WEIGHT, ["node-b"]),
+    ]
+    # No warm node yet: only the gate goes, the affinity is left as it is.
+    bare = placement.release_patch(pod, [], ["node-b"])
+    assert "affinity" not in bare["spec"] and placement.gated(pod) and not placement.gated(bare)
+
+
+def test_the_nodes_a_checkpoint_was_restored_on_are_recorded_once() -> None:
+    from rekindle_operator import placement
+
+    ckpt = {"status": {"node": "node-a", "cachedNodes": ["node-b"]}}
+    assert placement.cached_nodes(ckpt, ["node-a", "node-b", ""]) is None  # nothing new
+    assert placement.cached_nodes(ckpt, ["node-d", "node-c", "node-d"]) == [
+        "node-b",
+        "node-c",
+        "node-d",
+    ]
+    many = {"status": {"cachedNodes": [f"n{i}" for i in range(placement.MAX_CACHED_NODES)]}}
+    got = placement.cached_nodes(many, ["new"])
+    assert got is not None and len(got) == placement.MAX_CACHED_NODES and got[-1] == "new"
 
 
 def test_without_pod_template_the_pod_is_as_before() -> None:

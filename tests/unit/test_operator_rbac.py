@@ -37,6 +37,7 @@ from tests.unit.test_operator_checkpointing import (
     drive,
     isvc_obj,
     new_ckpt,
+    pod_obj,
     world,
 )
 
@@ -55,6 +56,9 @@ KOPF: set[Grant] = {
     ("rekindle.dev", "inferenceservices/status", "patch"),
     ("rekindle.dev", "checkpoints/status", "patch"),
     ("", "events", "create"),
+    # pod_gated: an event handler on the services' pods (placement.py)
+    ("", "pods", "list"),
+    ("", "pods", "watch"),
 }
 
 
@@ -206,7 +210,23 @@ def operator_calls() -> tuple[set[Grant], set[Grant]]:
         kube.put(body)
         assert release.release_finalizers(kube, [NS], say=lambda _: None) == 1  # type: ignore[arg-type]
 
+    def place_a_new_pod(kube: RecordingKube, events: Any) -> None:
+        """A gated pod of a node-storage service released toward its checkpoint's node."""
+        from rekindle_operator import placement
+        from rekindle_operator.reconcile import release_pod
+
+        body = read(kube, "InferenceService", "tiny")
+        body["status"] = {**(body.get("status") or {}), "checkpoint": "c1"}
+        kube.put(body)
+        new_ckpt(kube)
+        gated = pod_obj("tiny-new")
+        gated["spec"] = {"schedulingGates": [{"name": placement.GATE}]}
+        kube.put(gated)
+        release_pod(kube, gated)
+        assert not placement.gated(read(kube, "Pod", "tiny-new"))
+
     for flow in (
+        place_a_new_pod,
         first_reconcile,
         automatic_checkpoints,
         reconcile_each_storage,

@@ -130,10 +130,11 @@ repository@digest when a digest is set (it wins over the tag), else repository:t
 - apiGroups: [""]
   resources: ["persistentvolumeclaims"]
   verbs: ["get", "create"]
-# Pods: pick one to checkpoint, take it out of the Service (label), mirror its boot path.
+# Pods: pick one to checkpoint, take it out of the Service (label), mirror its boot path;
+# watch new ones to release their scheduling gate toward the warm nodes (placement).
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["get", "list", "patch"]
+  verbs: ["get", "list", "watch", "patch"]
 # Deleting a checkpoint's data (deletionPolicy Delete) runs a short Job.
 - apiGroups: ["batch"]
   resources: ["jobs"]

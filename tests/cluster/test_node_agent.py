@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from rekindle_operator import placement
 
 from tests.cluster import object_store
 from tests.cluster.cluster_tools import (
@@ -664,6 +665,18 @@ def test_a_checkpoint_made_on_one_node_restores_on_another_through_the_object_st
         assert record["source"] == f"{s3.endpoint}/{object_store.BUCKET}/{prefix}", record
         wait_until("the Service to accept connections", lambda: accepts(url), 60)
         assert _completions(url) == before
+        # Placement: the pod was created gated and released toward the warm nodes of that
+        # moment (only where it was made); now the second node holds it too.
+        (pod,) = pods_of(name, ns)
+        assert not pod["spec"].get("schedulingGates"), pod["spec"].get("schedulingGates")
+        assert _preferred(pod) == [NODE1]
+        wait_until(
+            "the second node recorded as holding the checkpoint",
+            lambda: (
+                ((get("rkcp", "to-s3", ns) or {}).get("status") or {}).get("cachedNodes") == [NODE2]
+            ),
+            60,
+        )
 
         # The store unreachable, the second node's cache emptied: a normal boot that says so.
         s3.scale(0)
@@ -673,6 +686,8 @@ def test_a_checkpoint_made_on_one_node_restores_on_another_through_the_object_st
             reason = obj["status"]["pods"][0]["reason"]
             assert reason.startswith("store_unreachable: "), reason
             assert obj["status"]["pods"][0]["node"] == NODE2
+            (pod,) = pods_of(name, ns)
+            assert _preferred(pod) == [NODE1, NODE2]  # both warm when it was created
         finally:
             s3.scale(1)
     finally:
@@ -686,6 +701,20 @@ def test_a_checkpoint_made_on_one_node_restores_on_another_through_the_object_st
     wait_until("the first node's copy dropped", lambda: not _entries(node_agent, NODE1), 60)
     kubectl("delete", "rkis", name, "-n", ns, "--timeout=120s")
     wait_until("its pods gone", lambda: not pods_of(name, ns), 180)
+
+
+def _preferred(pod: dict[str, Any]) -> list[str]:
+    """The nodes a pod was released toward (the operator's warm-placement term)."""
+    terms = ((pod["spec"].get("affinity") or {}).get("nodeAffinity") or {}).get(
+        "preferredDuringSchedulingIgnoredDuringExecution"
+    ) or []
+    return [
+        v
+        for t in terms
+        if t["weight"] == placement.WARM_WEIGHT
+        for f in t["preference"]["matchFields"]
+        for v in f["values"]
+    ]
 
 
 def _state_dir(agent_ns: str, node: str = NODE1) -> Path:

@@ -11,6 +11,14 @@ shared by every replica that mounts it):
     models--ORG--NAME/refs/REVISION          a symlink to ../snapshots/COMMIT
     models--ORG--NAME/.lock                  held while one fetch runs
 
+A model from an S3-compatible store (spec.model.s3) has a tree of its own,
+keyed by a digest of its endpoint, bucket and prefix:
+
+    s3--KEY/snapshots/VERSION/...   the objects of one listing (VERSION: a digest
+                                    of every key, size and ETag), complete
+    s3--KEY/refs/current            a symlink to ../snapshots/VERSION
+    s3--KEY/.lock
+
 A snapshot directory appears only by an atomic rename of a finished download,
 so a directory that exists is complete. vLLM is given the refs/ path: for a
 commit pin it never changes; for a branch or tag, `fetch-model` re-points it
@@ -19,6 +27,7 @@ when the hub says the revision has moved.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from urllib.parse import quote
 
@@ -69,3 +78,17 @@ def ref_name(revision: str) -> str:
 def model_path(repo_id: str, revision: str, root: str = MODEL_CACHE_MOUNT) -> str:
     """The path vLLM loads the model from: the revision's ref in the cache."""
     return f"{root}/{repo_dir(repo_id)}/refs/{ref_name(revision)}"
+
+
+S3_REF = "current"
+
+
+def s3_dir(endpoint: str, bucket: str, prefix: str) -> str:
+    """The directory of one S3 model in the cache: a digest of where it is read from."""
+    where = f"{endpoint.rstrip('/')}/{bucket}/{prefix.strip('/')}/"
+    return "s3--" + hashlib.sha256(where.encode()).hexdigest()[:24]
+
+
+def s3_model_path(endpoint: str, bucket: str, prefix: str, root: str = MODEL_CACHE_MOUNT) -> str:
+    """The path vLLM loads an S3 model from: its current snapshot's ref in the cache."""
+    return f"{root}/{s3_dir(endpoint, bucket, prefix)}/refs/{S3_REF}"

@@ -1,6 +1,6 @@
 """spec.model: where the weights come from, and the pod parts that bring them in.
 
-Four kinds, exactly one per InferenceService (the CRD's CEL says the same):
+Five kinds, exactly one per InferenceService (the CRD's CEL says the same):
 
 - ``source``: a directory inside the runtime image (or a model id vLLM
   resolves itself); nothing is mounted. Manifests written before the other
@@ -13,6 +13,10 @@ Four kinds, exactly one per InferenceService (the CRD's CEL says the same):
   volume shared by the replicas on a node (a hostPath directory by default,
   or a PVC), keyed by id and revision, before the agent starts. The token
   comes from a Secret through secretKeyRef and reaches only that container.
+- ``s3``: every object below a prefix of a bucket of an S3-compatible store
+  (the source KServe users know as ``storageUri: s3://``); the same init
+  container, with parallel ranged reads, into the same kind of cache, keyed
+  by endpoint, bucket and prefix. The keys come from a Secret the same way.
 
 Mount details (claim, node path, cache volume) are not part of a
 checkpoint's identity: model_identity() names the weights, and the agent's
@@ -22,6 +26,7 @@ same mount.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +36,7 @@ from rekindle_contract.model_cache import (
     MODEL_CACHE_MOUNT,
     MODEL_MOUNT,
     model_path,
+    s3_model_path,
     valid_repo_id,
     valid_revision,
 )
@@ -44,7 +50,9 @@ DEFAULT_TOKEN_KEY = "HF_TOKEN"
 FETCH_CONTAINER = "fetch-model"
 MODEL_VOLUME = "model"
 CACHE_VOLUME = "model-cache"
-KINDS = ("source", "pvc", "hostPath", "huggingFace")
+KINDS = ("source", "pvc", "hostPath", "huggingFace", "s3")
+# The keys of spec.model.s3.secretRef's Secret (the node agent's store Secret uses the same).
+S3_KEY_ID, S3_SECRET_KEY = "accessKeyID", "secretAccessKey"
 _DNS = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
 
 
@@ -64,6 +72,15 @@ class ModelSource:
     endpoint: str = ""  # the hub's URL (HF_ENDPOINT); "" = the client's default
     cache_host_path: str = DEFAULT_CACHE_HOST_PATH  # the cache on each node...
     cache_claim: str = ""  # ...or this PVC instead
+    bucket: str = ""  # kind s3 (with endpoint)
+    prefix: str = ""  # kind s3
+    region: str = "us-east-1"  # kind s3
+    s3_secret: str = ""  # kind s3: the Secret with S3_KEY_ID and S3_SECRET_KEY
+
+    @property
+    def fetched(self) -> bool:
+        """Downloaded into the cache by the init container (huggingFace, s3)."""
+        return self.kind in ("huggingFace", "s3")
 
     @property
     def path(self) -> str:
@@ -72,6 +89,8 @@ class ModelSource:
             return self.source
         if self.kind == "huggingFace":
             return model_path(self.hf_id, self.revision)
+        if self.kind == "s3":
+            return s3_model_path(self.endpoint, self.bucket, self.prefix)
         return MODEL_MOUNT
 
 
@@ -88,7 +107,7 @@ def parse_model(model: Mapping[str, Any]) -> ModelSource:
     if len(kinds) != 1:
         raise SpecError(
             "spec.model needs exactly one of spec.model.source (a directory in the image), "
-            ".pvc, .hostPath or .huggingFace; "
+            ".pvc, .hostPath, .huggingFace or .s3; "
             + (f"it has {', '.join(kinds)}: keep one" if kinds else "it has none: set one")
         )
     kind = kinds[0]
@@ -103,6 +122,8 @@ def parse_model(model: Mapping[str, Any]) -> ModelSource:
         return _pvc(_obj(model, "pvc", "spec.model"))
     if kind == "hostPath":
         return _host_path(_obj(model, "hostPath", "spec.model"))
+    if kind == "s3":
+        return _s3(_obj(model, "s3", "spec.model"))
     return _hugging_face(
         _obj(model, "huggingFace", "spec.model"), str(model.get("revision") or DEFAULT_REVISION)
     )
@@ -153,21 +174,7 @@ def _hugging_face(hf: Mapping[str, Any], revision: str) -> ModelSource:
         raise SpecError(
             f"spec.model.huggingFace.endpoint {endpoint!r} must be an http:// or https:// URL"
         )
-    cache = _obj(hf, "cache", "spec.model.huggingFace")
-    cache_hp = _obj(cache, "hostPath", "spec.model.huggingFace.cache")
-    cache_pvc = _obj(cache, "pvc", "spec.model.huggingFace.cache")
-    if cache_hp and cache_pvc:
-        raise SpecError("spec.model.huggingFace.cache takes hostPath or pvc, not both: keep one")
-    cache_path = str(cache_hp.get("path") or DEFAULT_CACHE_HOST_PATH)
-    if not cache_path.startswith("/") or ".." in cache_path.split("/"):
-        raise SpecError(
-            f"spec.model.huggingFace.cache.hostPath.path {cache_path!r} must be an "
-            "absolute node path without '..'"
-        )
-    if cache_pvc and not cache_pvc.get("claimName"):
-        raise SpecError(
-            "spec.model.huggingFace.cache.pvc.claimName is required: the PVC to cache models in"
-        )
+    cache_path, cache_claim = _cache(_obj(hf, "cache", "spec.model.huggingFace"), "huggingFace")
     return ModelSource(
         kind="huggingFace",
         hf_id=repo,
@@ -177,7 +184,59 @@ def _hugging_face(hf: Mapping[str, Any], revision: str) -> ModelSource:
         ),
         endpoint=endpoint,
         cache_host_path=cache_path,
-        cache_claim=str(cache_pvc.get("claimName") or ""),
+        cache_claim=cache_claim,
+    )
+
+
+def _cache(cache: Mapping[str, Any], kind: str) -> tuple[str, str]:
+    """(node directory, claim) of spec.model.KIND.cache; the claim "" when on the node."""
+    where = f"spec.model.{kind}.cache"
+    cache_hp = _obj(cache, "hostPath", where)
+    cache_pvc = _obj(cache, "pvc", where)
+    if cache_hp and cache_pvc:
+        raise SpecError(f"{where} takes hostPath or pvc, not both: keep one")
+    cache_path = str(cache_hp.get("path") or DEFAULT_CACHE_HOST_PATH)
+    if not cache_path.startswith("/") or ".." in cache_path.split("/"):
+        raise SpecError(
+            f"{where}.hostPath.path {cache_path!r} must be an absolute node path without '..'"
+        )
+    if cache_pvc and not cache_pvc.get("claimName"):
+        raise SpecError(f"{where}.pvc.claimName is required: the PVC to cache models in")
+    return cache_path, str(cache_pvc.get("claimName") or "")
+
+
+def _s3(s3: Mapping[str, Any]) -> ModelSource:
+    endpoint = str(s3.get("endpoint") or "").rstrip("/")
+    if not re.fullmatch(r"https?://[^/]+", endpoint):
+        raise SpecError(
+            f"spec.model.s3.endpoint {endpoint!r} must be http(s)://HOST[:PORT] "
+            "(the bucket and prefix go in their own fields)"
+        )
+    bucket = str(s3.get("bucket") or "")
+    if not re.fullmatch(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]", bucket):
+        raise SpecError(f"spec.model.s3.bucket {bucket!r} is not a bucket name")
+    prefix = str(s3.get("prefix") or "")
+    if not prefix or prefix.startswith("/") or ".." in prefix.split("/"):
+        raise SpecError(
+            f"spec.model.s3.prefix {prefix!r} must be the model's key prefix in the bucket, "
+            "relative, without '..' (e.g. models/smollm2/)"
+        )
+    secret = _obj(s3, "secretRef", "spec.model.s3")
+    if not secret.get("name"):
+        raise SpecError(
+            "spec.model.s3.secretRef.name is required: the Secret with the store's "
+            f"{S3_KEY_ID} and {S3_SECRET_KEY}"
+        )
+    cache_path, cache_claim = _cache(_obj(s3, "cache", "spec.model.s3"), "s3")
+    return ModelSource(
+        kind="s3",
+        endpoint=endpoint,
+        bucket=bucket,
+        prefix=prefix.rstrip("/") + "/",
+        region=str(s3.get("region") or "us-east-1"),
+        s3_secret=str(secret["name"]),
+        cache_host_path=cache_path,
+        cache_claim=cache_claim,
     )
 
 
@@ -194,6 +253,8 @@ def model_identity(src: ModelSource) -> Any:
         return src.source
     if src.kind == "huggingFace":
         return {"huggingFace": src.hf_id, "revision": src.revision}
+    if src.kind == "s3":
+        return {"s3": f"{src.endpoint}/{src.bucket}/{src.prefix}"}
     return {"volume": MODEL_MOUNT}
 
 
@@ -209,7 +270,7 @@ def model_volumes(src: ModelSource) -> list[Obj]:
     if src.kind == "hostPath":
         # Directory, not DirectoryOrCreate: a missing model is an error the pod shows.
         return [{"name": MODEL_VOLUME, "hostPath": {"path": src.host_path, "type": "Directory"}}]
-    if src.kind == "huggingFace":
+    if src.fetched:
         if src.cache_claim:
             return [{"name": CACHE_VOLUME, "persistentVolumeClaim": {"claimName": src.cache_claim}}]
         return [
@@ -228,19 +289,43 @@ def model_mounts(src: ModelSource) -> list[Obj]:
         if src.sub_path:
             mount["subPath"] = src.sub_path
         return [mount]
-    if src.kind == "huggingFace":
+    if src.fetched:
         return [{"name": CACHE_VOLUME, "mountPath": MODEL_CACHE_MOUNT, "readOnly": True}]
     return []
 
 
 def fetch_init_container(src: ModelSource, image: str, pull_policy: str) -> Obj | None:
-    """The init container that fills the cache before the agent starts (hub models only).
+    """The init container that fills the cache before the agent starts (hub and S3
+    models only).
 
     It runs the runtime image's `rekindle fetch-model`, unprivileged, with the
-    token as HF_TOKEN from the Secret (secretKeyRef: the value never passes
-    through the operator or the pod spec). A revision already in the cache
-    costs one lookup; replicas on a node share one download (a lock).
+    token as HF_TOKEN (S3: the keys as AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)
+    from the Secret (secretKeyRef: the value never passes through the operator or
+    the pod spec). A revision (a listing) already in the cache costs one lookup;
+    replicas on a node share one download (a lock).
     """
+    if src.kind == "s3":
+        return _fetch_container(
+            image,
+            pull_policy,
+            [
+                "--s3-endpoint",
+                src.endpoint,
+                "--s3-bucket",
+                src.bucket,
+                "--s3-prefix",
+                src.prefix,
+                "--s3-region",
+                src.region,
+            ],
+            [
+                {"name": env, "valueFrom": {"secretKeyRef": {"name": src.s3_secret, "key": key}}}
+                for env, key in (
+                    ("AWS_ACCESS_KEY_ID", S3_KEY_ID),
+                    ("AWS_SECRET_ACCESS_KEY", S3_SECRET_KEY),
+                )
+            ],
+        )
     if src.kind != "huggingFace":
         return None
     env: list[Obj] = [
@@ -253,20 +338,17 @@ def fetch_init_container(src: ModelSource, image: str, pull_policy: str) -> Obj 
     if src.token_secret:
         name, key = src.token_secret
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": name, "key": key}}})
+    return _fetch_container(
+        image, pull_policy, ["--id", src.hf_id, "--revision", src.revision], env
+    )
+
+
+def _fetch_container(image: str, pull_policy: str, args: list[str], env: list[Obj]) -> Obj:
     return {
         "name": FETCH_CONTAINER,
         "image": image,
         "imagePullPolicy": pull_policy,
-        "command": [
-            "rekindle",
-            "fetch-model",
-            "--id",
-            src.hf_id,
-            "--revision",
-            src.revision,
-            "--cache",
-            MODEL_CACHE_MOUNT,
-        ],
+        "command": ["rekindle", "fetch-model", *args, "--cache", MODEL_CACHE_MOUNT],
         "env": env,
         "securityContext": {
             "allowPrivilegeEscalation": False,

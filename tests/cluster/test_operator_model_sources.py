@@ -1,20 +1,22 @@
 """Models that are not in the image, served for real on the local cluster.
 
 The project's tiny model is generated into a directory on the node (this
-machine), then served by three InferenceServices (replicas 1), applied
-together by one module fixture so that their vLLMs boot side by side (half a
-core requested each; a test run alone still gets all three):
+machine), then served by four InferenceServices (replicas 1), applied
+together by one module fixture so that their vLLMs boot side by side (a
+fraction of a core requested each; a test run alone still gets all four):
 
 - from a PVC: a hostPath-backed PersistentVolume bound to a claim in the
   test's namespace, the model in a subPath of it;
 - from a node path (spec.model.hostPath);
 - from "the hub": a stand-in hub (tests/fake_hub.py) on this machine's node
   address, the token in a Secret; the init container downloads into the
-  node's cache and vLLM serves from there.
+  node's cache and vLLM serves from there;
+- from the object store (spec.model.s3): the local cluster's SeaweedFS, the
+  keys in a Secret; the same init container, parallel ranged reads.
 
 Each checks the pod mounts the model read-only, vLLM loads it from the
 mount, and a completion comes back through the Service. The operator fixture
-deletes the three when the module ends.
+deletes them when the module ends.
 """
 
 from __future__ import annotations
@@ -26,10 +28,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rekindle_contract.model_cache import MODEL_CACHE_MOUNT, MODEL_MOUNT, model_path
+from rekindle_contract.model_cache import MODEL_CACHE_MOUNT, MODEL_MOUNT, model_path, s3_model_path
 from rekindle_dev.models import TinyModelSpec, generate_tiny_model
 
+from tests.cluster import object_store
 from tests.cluster.cluster_tools import NODE1, kubectl, kubectl_json
+from tests.cluster.object_store import ObjectStore
 from tests.cluster.operator_fixtures import (
     apply,
     host_path_claim,
@@ -66,8 +70,9 @@ def isvc_with_model(name: str, model: dict[str, Any], host_dir: Path) -> dict[st
     return doc
 
 
-# CPU is a request, not a limit: three vLLMs boot side by side on the node's 2 cores.
-RESOURCES = {"cpu": "500m", "memory": "4Gi"}
+# CPU is a request, not a limit: four vLLMs boot side by side on the node's 2 cores.
+RESOURCES = {"cpu": "400m", "memory": "4Gi"}
+S3_PREFIX = "models/tiny/"
 PV_CLAIM = "models"
 
 
@@ -82,11 +87,23 @@ def node_address() -> str:
 
 
 @pytest.fixture(scope="module")
-def applied(node_dir: Path, operator: Any, op_namespace: str) -> Iterator[dict[str, Any]]:
-    """The three InferenceServices, applied at once; the stand-in hub serves until the
-    module ends. Yields what the tests check against: the hub, its commit, the cache."""
+def s3() -> Iterator[ObjectStore]:
+    """The cluster's S3-compatible object store (SeaweedFS)."""
+    yield from object_store.deploy()
+
+
+@pytest.fixture(scope="module")
+def applied(
+    node_dir: Path, operator: Any, op_namespace: str, s3: ObjectStore
+) -> Iterator[dict[str, Any]]:
+    """The four InferenceServices, applied at once; the stand-in hub serves until the
+    module ends. Yields what the tests check against: the hub, its commit, the caches."""
     require_runtime_image()
     ns = op_namespace
+    bucket = s3.bucket()
+    for f in sorted((node_dir / "tiny").iterdir()):
+        bucket.put(S3_PREFIX + f.name, f.read_bytes())
+    assert apply(s3.secret_manifest("model-store", ns), ns).returncode == 0
     pv = pv_and_claim(ns, node_dir)
     hub_root = node_dir / "hub"
     (hub_root / "rekindle").mkdir(parents=True)
@@ -112,6 +129,15 @@ def applied(node_dir: Path, operator: Any, op_namespace: str) -> Iterator[dict[s
                         "cache": {"hostPath": {"path": str(cache)}},
                     },
                     "revision": "main",
+                },
+                "ons3": {
+                    "s3": {
+                        "endpoint": s3.endpoint,
+                        "bucket": object_store.BUCKET,
+                        "prefix": S3_PREFIX,
+                        "secretRef": {"name": "model-store"},
+                        "cache": {"hostPath": {"path": str(node_dir / "s3-cache")}},
+                    }
                 },
             }
             for name, model in models.items():
@@ -208,3 +234,27 @@ def test_hugging_face_model_is_fetched_by_the_init_container_then_served(
     )
     assert vllm_model_arg(ns, pod) == model_path("rekindle/tiny", "main")
     assert vllm_model_arg(ns, pod).startswith(MODEL_CACHE_MOUNT)
+
+
+def test_s3_model_is_fetched_by_the_init_container_then_served(
+    applied: dict[str, Any], op_namespace: str, node_dir: Path, s3: ObjectStore
+) -> None:
+    """From the cluster's object store, the keys from a Secret by reference; the node's
+    cache holds the listing's files, byte for byte; vLLM serves from there."""
+    ns = op_namespace
+    pod = serving(ns, "ons3")
+    (init,) = pod["spec"]["initContainers"]
+    env = {e["name"]: e for e in init["env"]}
+    assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"] == {
+        "name": "model-store",
+        "key": "secretAccessKey",
+    }
+    assert all(s3.creds.secret_key not in str(c) for c in pod["spec"]["containers"])
+    path = s3_model_path(s3.endpoint, object_store.BUCKET, S3_PREFIX)
+    assert vllm_model_arg(ns, pod) == path
+    snapshot = (node_dir / "s3-cache" / Path(path).relative_to(MODEL_CACHE_MOUNT)).resolve()
+    assert sorted(p.name for p in snapshot.iterdir()) == sorted(
+        p.name for p in (node_dir / "tiny").iterdir()
+    )
+    for f in (node_dir / "tiny").iterdir():
+        assert (snapshot / f.name).read_bytes() == f.read_bytes(), f.name

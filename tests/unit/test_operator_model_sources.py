@@ -5,7 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from rekindle_contract.model_cache import MODEL_CACHE_MOUNT, MODEL_MOUNT, model_path, repo_dir
+from rekindle_contract.model_cache import (
+    MODEL_CACHE_MOUNT,
+    MODEL_MOUNT,
+    model_path,
+    repo_dir,
+    s3_model_path,
+)
 from rekindle_operator import builders as b
 from rekindle_operator.agent_command import agent_command
 from rekindle_operator.checkpoint_storage import rwo_spread_warning
@@ -155,9 +161,63 @@ def test_hugging_face_cache_on_a_pvc_and_default_revision() -> None:
     assert s.model_source.endswith("/models--org--m/refs/main")
 
 
+S3 = {
+    "endpoint": "http://seaweedfs.store.svc:8333/",
+    "bucket": "models",
+    "prefix": "smollm2",
+    "secretRef": {"name": "model-store"},
+}
+
+
+def test_s3_source_fetches_in_an_init_container_with_the_keys_by_reference() -> None:
+    s = spec_with({"s3": S3}, runtime={"image": "reg/runtime:1", "imagePullPolicy": "Always"})
+    p = pod(s)
+    (init,) = p["initContainers"]
+    assert init["command"] == [
+        "rekindle", "fetch-model",
+        "--s3-endpoint", "http://seaweedfs.store.svc:8333", "--s3-bucket", "models",
+        "--s3-prefix", "smollm2/", "--s3-region", "us-east-1",
+        "--cache", MODEL_CACHE_MOUNT,
+    ]  # fmt: skip
+    assert init["env"] == [
+        {
+            "name": "AWS_ACCESS_KEY_ID",
+            "valueFrom": {"secretKeyRef": {"name": "model-store", "key": "accessKeyID"}},
+        },
+        {
+            "name": "AWS_SECRET_ACCESS_KEY",
+            "valueFrom": {"secretKeyRef": {"name": "model-store", "key": "secretAccessKey"}},
+        },
+    ]
+    assert init["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert volume(p, "model-cache")["hostPath"]["path"] == "/var/lib/rekindle/model-cache"
+    mount = next(m for m in vllm(p)["volumeMounts"] if m["name"] == "model-cache")
+    assert mount["readOnly"] is True
+    assert all(not e["name"].startswith("AWS_") for e in vllm(p)["env"])  # keys stay in the init
+    cmd = agent_command(s)
+    assert cmd[cmd.index("--model") + 1] == s3_model_path(
+        "http://seaweedfs.store.svc:8333", "models", "smollm2/"
+    )
+    on_pvc = spec_with({"s3": {**S3, "cache": {"pvc": {"claimName": "models"}}}})
+    assert volume(pod(on_pvc), "model-cache")["persistentVolumeClaim"] == {"claimName": "models"}
+    # What names the weights: where they are read, not the keys or the cache.
+    same = spec_with({"s3": {**S3, "secretRef": {"name": "other"}, "region": "eu-west-1"}})
+    base = spec_fingerprint(spec_with({"s3": S3}))
+    assert spec_fingerprint(same) == base == spec_fingerprint(on_pvc)
+    assert spec_fingerprint(spec_with({"s3": {**S3, "prefix": "other/"}})) != base
+
+
 @pytest.mark.parametrize(
     ("model", "words"),
     [
+        ({"s3": S3, "source": "/m"}, "source, s3"),
+        ({"s3": {**S3, "endpoint": "seaweedfs:8333"}}, "spec.model.s3.endpoint"),
+        ({"s3": {**S3, "endpoint": "http://h:1/bucket"}}, "bucket and prefix go in their own"),
+        ({"s3": {**S3, "bucket": "Bad_Bucket"}}, "not a bucket name"),
+        ({"s3": {**S3, "prefix": "/abs"}}, "spec.model.s3.prefix"),
+        ({"s3": {**S3, "prefix": "a/../b"}}, "without '..'"),
+        ({"s3": {**S3, "secretRef": {}}}, "spec.model.s3.secretRef.name is required"),
+        ({"s3": {**S3, "cache": {"hostPath": {"path": "rel"}}}}, "spec.model.s3.cache.hostPath"),
         ({}, "it has none: set one"),
         ({"source": "/m", "pvc": {"claimName": "x"}}, "source, pvc"),
         ({"hostPath": {"path": "/a"}, "huggingFace": {"id": "a/b"}}, "hostPath, huggingFace"),

@@ -134,14 +134,39 @@ def build_parser() -> argparse.ArgumentParser:
     rm.set_defaults(func=remove_checkpoint)
     fetch = sub.add_parser(
         "fetch-model",
-        help="download a Hugging Face model into a shared cache (the pod's init container); "
-        "a revision already there is not downloaded again",
+        help="download a Hugging Face model (--id) or an S3 prefix (--s3-*) into a shared "
+        "cache (the pod's init container); a revision or listing already there is not "
+        "downloaded again",
     )
     from rekindle_agent import model_fetch
 
     model_fetch.add_arguments(fetch)
-    fetch.set_defaults(func=model_fetch.run)
+    fetch.set_defaults(func=fetch_model)
     return parser
+
+
+def fetch_model(ns: argparse.Namespace) -> int:
+    """The hub (--id) or an S3-compatible store (--s3-endpoint): exit 0 with the model's
+    path on stdout, or 1 with the reason on stderr."""
+    from rekindle_store.s3 import Bucket
+
+    from rekindle_agent import model_fetch, model_fetch_s3
+
+    if ns.s3_endpoint is None:
+        return model_fetch.run(ns)
+    if not ns.s3_bucket or not ns.s3_prefix:
+        model_fetch.log("--s3-endpoint needs --s3-bucket and --s3-prefix")
+        return 2
+    try:
+        bucket = Bucket(
+            ns.s3_endpoint, ns.s3_bucket, model_fetch_s3.credentials_from_env(), ns.s3_region
+        )
+        path = model_fetch_s3.fetch_s3(bucket, ns.s3_prefix, ns.cache)
+    except (model_fetch.FetchError, ValueError, OSError) as e:
+        model_fetch.log(str(e))
+        return 1
+    print(path)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

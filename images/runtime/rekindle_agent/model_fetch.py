@@ -175,7 +175,11 @@ def fetch(
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--id", required=True, dest="repo_id", help="the hub's model id, ORG/NAME")
+    """The flags of `rekindle fetch-model`: a hub model (--id) or an S3 prefix (--s3-*,
+    model_fetch_s3)."""
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--id", dest="repo_id", help="the hub's model id, ORG/NAME")
+    which.add_argument("--s3-endpoint", help="http(s)://HOST[:PORT] of an S3-compatible store")
     p.add_argument("--revision", default=DEFAULT_REVISION, help="branch, tag or commit")
     p.add_argument("--cache", required=True, type=Path, help="the cache volume's root")
     p.add_argument(
@@ -183,6 +187,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=os.environ.get("HF_ENDPOINT") or None,
         help="the hub's URL (default: HF_ENDPOINT, else the client's default)",
     )
+    p.add_argument("--s3-bucket", help="with --s3-endpoint: the bucket")
+    p.add_argument("--s3-prefix", help="with --s3-endpoint: the model's key prefix")
+    p.add_argument("--s3-region", default="us-east-1", help="with --s3-endpoint")
 
 
 def run(ns: argparse.Namespace) -> int:

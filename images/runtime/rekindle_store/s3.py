@@ -118,6 +118,7 @@ def authorization(
 class ObjectInfo:
     key: str
     size: int
+    etag: str = ""  # as the store lists it, quotes removed (an MD5 for a single-part upload)
 
 
 class Bucket:
@@ -194,7 +195,11 @@ class Bucket:
             _s, _h, body = self._call("GET", "", query=query, ok=(200,))
             root = ET.fromstring(body)
             for c in root.iter(f"{_NS}Contents"):
-                yield ObjectInfo(c.findtext(f"{_NS}Key", ""), int(c.findtext(f"{_NS}Size", "0")))
+                yield ObjectInfo(
+                    c.findtext(f"{_NS}Key", ""),
+                    int(c.findtext(f"{_NS}Size", "0")),
+                    c.findtext(f"{_NS}ETag", "").strip('"'),
+                )
             token = root.findtext(f"{_NS}NextContinuationToken", "")
             if root.findtext(f"{_NS}IsTruncated", "false") != "true" or not token:
                 return

@@ -241,6 +241,12 @@ def test_chart_renders_and_validates(namespace: str) -> None:
 
 
 MODEL_COMMIT = "0123456789abcdef0123456789abcdef01234567"
+S3_MODEL = {
+    "endpoint": "http://s3.local:8333",
+    "bucket": "models",
+    "prefix": "tiny/",
+    "secretRef": {"name": "store"},
+}
 
 
 @pytest.mark.parametrize(
@@ -266,6 +272,10 @@ MODEL_COMMIT = "0123456789abcdef0123456789abcdef01234567"
             },
             "takes hostPath or pvc, not both",
         ),
+        ({"s3": {**S3_MODEL, "prefix": "../up"}}, "spec.model.s3.prefix must be relative"),
+        ({"s3": {**S3_MODEL, "endpoint": "s3.local"}}, "spec.model.s3.endpoint"),
+        ({"s3": {k: v for k, v in S3_MODEL.items() if k != "secretRef"}}, "secretRef: Required"),
+        ({"s3": S3_MODEL, "hostPath": {"path": "/m"}}, "needs exactly one of source"),
     ],
 )
 def test_model_source_refusals(namespace: str, model: dict[str, Any], words: str) -> None:

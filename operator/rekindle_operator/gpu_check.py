@@ -44,7 +44,7 @@ NAME = "rekindle-gpu-check"
 DRY_RUN_IMAGE = "rekindle.local/runtime-gpu:dev"
 GIB = 2**30
 
-Verdict = Literal["PASS", "FAIL", "SKIP", "DRY-RUN"]
+Verdict = Literal["PASS", "FAIL", "SKIP", "DRY-RUN", "CPU-ONLY"]
 
 
 @dataclass(frozen=True)
@@ -171,6 +171,9 @@ class Options:
     storage: str = "node"  # the node agent keeps checkpoints; hostPath: CRIU in the pod
     timeout: float = 900.0
     keep: bool = False
+    # Exercise the flow on a CPU cluster (vLLM's CPU build): the GPU-only checks are
+    # SKIP and the verdict is never PASS. For developing this command, not for nodes.
+    cpu: bool = False
     extra_spec: dict[str, Any] = field(default_factory=dict)
 
 
@@ -178,14 +181,17 @@ def isvc_object(opts: Options, replicas: int = 1) -> dict[str, Any]:
     """The InferenceService the check applies: one GPU, tensor parallel 1 (GPU
     checkpoints are TP 1), checkpoints kept by the node agent (storage node) or, with
     storage hostPath, by the privileged pod's own CRIU."""
-    spec: dict[str, Any] = {
-        "model": {"source": opts.model_source, "servedName": opts.served_name},
-        "runtime": {"image": opts.image, "device": "gpu"},
-        "resources": {
+    resources: dict[str, Any] = {"cpu": "1", "memory": "6Gi"}
+    if not opts.cpu:
+        resources = {
             "cpu": "4",
             "memory": "24Gi",
             "gpu": {"count": 1, "resourceName": opts.gpu_resource},
-        },
+        }
+    spec: dict[str, Any] = {
+        "model": {"source": opts.model_source, "servedName": opts.served_name},
+        "runtime": {"image": opts.image, "device": "cpu" if opts.cpu else "gpu"},
+        "resources": resources,
         "replicas": replicas,
         "maxModelLen": 2048,
         "coldStart": {"restorePolicy": "Never", "storage": _storage(opts.storage)},
@@ -306,6 +312,9 @@ def preflight(kube: Kube, opts: Options, dry_run: bool) -> tuple[list[Check], in
                 "preflight", "node agent", "SKIP", note=f"storage {opts.storage}: CRIU in the pod"
             )
         )
+    if opts.cpu:
+        out.append(Check("preflight", "GPU node", "SKIP", note="--cpu: vLLM's CPU build"))
+        return out, 0
     nodes = [n for n in gpu_nodes(kube, opts.gpu_resource) if not opts.node or n.name == opts.node]
     best = max(nodes, key=lambda n: n.free, default=None)
     free = best.free if best else 0
@@ -378,7 +387,9 @@ class Run:
         self.add(Check("checkpoint", "Ready", "PASS", st.get("size"), note=st.get("reason", "")))
         self.add(judge("checkpoint", "seconds", float(st.get("totalSeconds", 0)), "checkpoint_s"))
         left = st.get("gpuMemoryAfterSleepBytes")
-        if left is None:
+        if self.opts.cpu:
+            self.add(Check("checkpoint", "GPU memory after sleep", "SKIP", note="--cpu"))
+        elif left is None:
             self.add(Check("checkpoint", "GPU memory after sleep", "FAIL", note="not reported"))
         else:
             self.add(
@@ -505,9 +516,12 @@ def format_check(c: Check) -> str:
     return f"{c.verdict:<7} {c.step}/{c.name}{value}{expect}{note}"
 
 
-def verdict(checks: Sequence[Check], dry_run: bool) -> Verdict:
+def verdict(checks: Sequence[Check], dry_run: bool, cpu: bool = False) -> Verdict:
+    """FAIL on any FAIL; never PASS without running on a GPU."""
     if any(c.verdict == "FAIL" for c in checks):
         return "FAIL"
+    if cpu:
+        return "CPU-ONLY"
     return "DRY-RUN" if dry_run else "PASS"
 
 
@@ -546,7 +560,7 @@ def run(
         progress("steps a real run takes:")
         for line in plan_lines(free):
             progress("  " + line)
-        return verdict(checks, True), checks
+        return verdict(checks, True, opts.cpu), checks
     if kube is None or any(c.verdict == "FAIL" for c in checks):
         return "FAIL", checks
     r = Run(kube, opts, progress)
@@ -563,7 +577,7 @@ def run(
     finally:
         r.cleanup()
     checks += r.checks
-    return verdict(checks, False), checks
+    return verdict(checks, False, opts.cpu), checks
 
 
 def results_doc(

@@ -81,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--timeout", type=_positive, default=900.0, help="seconds per step")
     g.add_argument("--keep", action="store_true", help="keep the service and its checkpoints")
     g.add_argument("--out", type=Path, help="write the results as JSON here")
+    g.add_argument(
+        "--cpu",
+        action="store_true",
+        help="run the flow on a CPU cluster (developing this command): GPU checks are SKIP, "
+        "the verdict is CPU-ONLY, never PASS",
+    )
     return p
 
 
@@ -373,6 +379,7 @@ def cmd_gpu_check(args: argparse.Namespace) -> int:
         storage=args.storage,
         timeout=args.timeout,
         keep=args.keep,
+        cpu=args.cpu,
     )
     started = time.time()
     kube = _kube_or_none(args) if args.dry_run else _kube(args)
@@ -382,7 +389,7 @@ def cmd_gpu_check(args: argparse.Namespace) -> int:
         command = "kubectl rekindle " + " ".join(args.argv)
         gpu_check.write(args.out, gpu_check.results_doc(opts, outcome, checks, started, command))
         print(f"wrote {args.out}")
-    return 0 if outcome in ("PASS", "DRY-RUN") else EXIT_FAILED
+    return 0 if outcome in ("PASS", "DRY-RUN", "CPU-ONLY") else EXIT_FAILED
 
 
 def _kube_or_none(args: argparse.Namespace) -> Any:

@@ -93,6 +93,12 @@ def test_the_verdict_is_fail_on_any_fail_and_never_pass_in_a_dry_run() -> None:
     assert gpu_check.verdict(ok, dry_run=False) == "PASS"
     assert gpu_check.verdict(ok, dry_run=True) == "DRY-RUN"
     assert gpu_check.verdict([*ok, Check("a", "d", "FAIL")], dry_run=True) == "FAIL"
+    assert gpu_check.verdict(ok, dry_run=False, cpu=True) == "CPU-ONLY"  # never PASS off a GPU
+
+
+def test_the_cpu_run_asks_for_no_gpu() -> None:
+    spec = gpu_check.isvc_object(opts(cpu=True, storage="hostPath"))["spec"]
+    assert spec["runtime"]["device"] == "cpu" and "gpu" not in spec["resources"]
 
 
 class RecordedApi:

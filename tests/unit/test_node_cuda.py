@@ -185,3 +185,55 @@ def test_a_node_agent_without_cuda_checkpoint_refuses_a_gpu_dump(tmp_path: Path)
         ops.dump(caller, Request("dump", "uid", {"pid": os.getpid(), "cuda": True}))
     assert e.value.reason == "unsupported"
     assert not list((tmp_path / "cache" / "staging").glob("*"))  # nothing left behind
+
+
+def _gpu_entry(tmp_path: Path, ops: Operations, name: str) -> None:
+    """A GPU tree's checkpoint of namespace ns in the node cache, as commit leaves one."""
+    from rekindle_contract.manifest import MANIFEST_FORMAT
+    from rekindle_store import manifest_io
+
+    stage = ops.cache.new_staging()
+    (stage / "images").mkdir()
+    (stage / "images" / "core-1.img").write_bytes(b"core")
+    files = manifest_io.checksum_files(stage, ["images/core-1.img"], threads=1)
+    man = {
+        "format": MANIFEST_FORMAT,
+        "fingerprint": {"gpu_uuid": "GPU-a"},
+        "vllm": {"root_pid": 7},
+        "criu": {},
+        "identity": {"namespace": "ns", "pod": "pod", "name": name},
+        "cuda": {"pids": [7, 9]},
+        "files": files,
+    }
+    manifest_io.write(stage, man, ops.key)  # type: ignore[arg-type]
+    entry = ops.cache.add_own(stage, "test", ops.key)
+    ops.cache.name("ns", name, entry.entry)
+
+
+@pytest.mark.parametrize(
+    ("with_cuda", "words"),
+    [(False, "no cuda-checkpoint"), (True, "no kubelet PodResources socket")],
+)
+def test_a_gpu_restore_is_refused_before_criu_when_the_gpus_cannot_be_mapped(
+    tmp_path: Path, tool: Tool, with_cuda: bool, words: str
+) -> None:
+    """Without its cuda-checkpoint, or without the kubelet's word on the caller's GPUs,
+    the node agent refuses a GPU checkpoint's restore before CRIU runs (none is set up
+    here: reaching it would fail otherwise)."""
+    ops = Operations(
+        NodeSettings(
+            criu=None,  # type: ignore[arg-type]
+            work=tmp_path / "work",
+            node="n",
+            cuda=tool.tool if with_cuda else None,
+        ),
+        NodeCache(tmp_path / "cache", budget_bytes=1 << 20),
+        b"k" * 32,
+    )
+    _gpu_entry(tmp_path, ops, "/ck/gpu-1")
+    me = PodContainer("cid", "main", "ns", "pod", "uid")
+    caller = Caller(pid=os.getpid(), uid=0, gid=0, container=me)
+    with pytest.raises(OperationError, match=words) as e:
+        ops.restore(caller, Request("restore", "uid", {"name": "/ck/gpu-1"}))
+    assert e.value.reason == "unsupported"
+    assert tool.calls() == []

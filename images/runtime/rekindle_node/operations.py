@@ -392,6 +392,9 @@ class Operations:
                 flags.append("--mmap-restore-heap")
         if _bool_arg(req, "stopped"):
             flags.append("--leave-stopped")
+        # A GPU tree: its GPUs are mapped onto the caller's, refused before CRIU runs
+        # when this node agent cannot or the counts differ.
+        gpu_map = self._gpu_map(caller, entry) if entry.manifest.get("cuda") else None
         pod_init = identity.namespace_init(caller.pid)
         t0 = time.monotonic()
         self.cache.pin(entry.entry, caller.container.pod_uid)
@@ -410,9 +413,7 @@ class Operations:
                 raise OperationError("criu_failed", _criu_failure("restore", res, work))
         finally:
             shutil.rmtree(work, ignore_errors=True)
-        gpu_seconds = (
-            self._resume_gpu(caller, entry, pod_init) if entry.manifest.get("cuda") else None
-        )
+        gpu_seconds = None if gpu_map is None else self._resume_gpu(entry, pod_init, gpu_map)
         answer: dict[str, Any] = {
             "checkpoint": entry.entry,
             "pid": entry.manifest["vllm"]["root_pid"],
@@ -426,30 +427,30 @@ class Operations:
 
     def _gpu_map(self, caller: Caller, entry: VerifiedCheckpoint) -> str:
         """The checkpoint's GPUs onto the ones the kubelet allocated to the caller."""
+        self._cuda()
         saved = (entry.manifest.get("fingerprint") or {}).get("gpu_uuid")
         try:
             return device_map(saved, self.devices(caller, Request("devices", "", {}))["gpus"])
         except ValueError as e:
             raise OperationError("fingerprint_mismatch", str(e)) from e
 
-    def _resume_gpu(self, caller: Caller, entry: VerifiedCheckpoint, pod_init: int) -> float:
-        """Give the restored tree its GPU state back, on the caller's GPUs; a tree that
-        does not come back running is killed (it cannot serve) and the restore fails."""
+    def _resume_gpu(self, entry: VerifiedCheckpoint, pod_init: int, gpu_map: str) -> float:
+        """Give the restored tree its GPU state back, on the caller's GPUs (gpu_map); a
+        tree that does not come back running is killed (it cannot serve) and the restore
+        fails (the pod's agent then boots)."""
         tool = self._cuda()
         t0 = time.monotonic()
         pod_pids = [int(p) for p in entry.manifest["cuda"].get("pids") or []]
         restored: list[int] = []
         try:
-            gpu_map = self._gpu_map(caller, entry)
             restored = cuda.translate(pod_pids, pod_init)
             cuda.resume(tool, restored, gpu_map)
-        except (cuda.CudaError, OperationError) as e:
+        except cuda.CudaError as e:
             root = entry.manifest["vllm"]["root_pid"]
             with contextlib.suppress(cuda.CudaError):
                 restored = cuda.translate([root, *pod_pids], pod_init)
             cuda.kill(restored)
-            reason = e.reason if isinstance(e, OperationError) else "cuda_failed"
-            raise OperationError(reason, f"GPU state not restored (tree killed): {e}") from e
+            raise OperationError("cuda_failed", f"GPU state not restored (tree killed): {e}") from e
         return time.monotonic() - t0
 
     def mapped_failed(self, caller: Caller, req: Request) -> dict[str, Any]:

@@ -294,10 +294,15 @@ def format_status(isvc: dict[str, Any], checkpoints: list[dict[str, Any]]) -> st
         for c in sorted(mine, key=lambda c: c["metadata"].get("creationTimestamp", "")):
             cs = c.get("status") or {}
             stale = " STALE" if cs.get("stale") else ""
-            lines.append(
-                f"    {c['metadata']['name']}: {cs.get('phase', 'Pending')}{stale} "
-                f"{cs.get('size', '')} {cs.get('reason', '')}"
-            )
+            # The nodes whose cache holds it: made there, or a replica restored it there.
+            held = sorted({cs["node"], *(cs.get("cachedNodes") or [])} if cs.get("node") else [])
+            words = [
+                f"{cs.get('phase', 'Pending')}{stale}",
+                str(cs.get("size") or ""),
+                str(cs.get("reason") or ""),
+                f"on {', '.join(held)}" if held else "",
+            ]
+            lines.append(f"    {c['metadata']['name']}: " + " ".join(w for w in words if w))
     return "\n".join(lines)
 
 

@@ -122,9 +122,15 @@ def test_format_status_mentions_boot_paths_and_stale() -> None:
             "metadata": {"name": "c1", "creationTimestamp": "1"},
             "spec": {"inferenceService": "tiny"},
             "status": {"phase": "Ready", "stale": True},
-        }
+        },
+        {
+            "metadata": {"name": "c2", "creationTimestamp": "2"},
+            "spec": {"inferenceService": "tiny"},
+            "status": {"phase": "Ready", "node": "gpu-2", "cachedNodes": ["gpu-3", "gpu-1"]},
+        },
     ]
     text = format_status(isvc, ck)
+    assert "c2: Ready on gpu-1, gpu-2, gpu-3" in text  # where the nodes hold it
     assert "pod tiny-a on gpu-1: boot (checksum_mismatch)" in text
     assert "gpu-1: 1/1 ready, checkpoint not proven here, slowest cold start: boot 40.0s" in text
     assert (

@@ -30,6 +30,7 @@ WARM_WEIGHT = 50  # a warm node (its cache holds the checkpoint)
 RESIDENT_WEIGHT = 50  # added for a warm node with the checkpoint in its page cache
 RESIDENT_PERCENT = 90.0
 MAX_CACHED_NODES = 64  # status.cachedNodes is bounded: the newest are kept
+MAX_PREFERRED = 32  # terms added per pod: the resident nodes first, then the warm ones
 
 Obj = dict[str, Any]
 
@@ -62,18 +63,23 @@ def resident_nodes(isvc_status: Mapping[str, Any]) -> list[str]:
     )
 
 
-def _term(weight: int, nodes: Sequence[str]) -> Obj:
-    return {
-        "weight": weight,
-        "preference": {
-            "matchFields": [{"key": "metadata.name", "operator": "In", "values": list(nodes)}]
-        },
-    }
+def _terms(weight: int, nodes: Sequence[str]) -> list[Obj]:
+    """One term per node: a node field selector takes exactly one value per In."""
+    return [
+        {
+            "weight": weight,
+            "preference": {
+                "matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]
+            },
+        }
+        for node in nodes
+    ]
 
 
 def release_patch(pod: Mapping[str, Any], warm: Sequence[str], resident: Sequence[str]) -> Obj:
     """The merge patch that releases pod: GATE removed (other gates kept) and, when there
-    are warm nodes, preferred terms for them added to the pod's own affinity."""
+    are warm nodes, preferred terms for them (one per node, at most MAX_PREFERRED)
+    added to the pod's own affinity; empty warm: the gate alone."""
     spec = pod.get("spec") or {}
     out: Obj = {
         "spec": {
@@ -82,10 +88,9 @@ def release_patch(pod: Mapping[str, Any], warm: Sequence[str], resident: Sequenc
             ]
         }
     }
-    terms = [_term(WARM_WEIGHT, warm)] if warm else []
-    hot = [n for n in resident if n in warm]
-    if hot:
-        terms.append(_term(RESIDENT_WEIGHT, hot))
+    hot = [n for n in resident if n in warm][: MAX_PREFERRED // 2]
+    warm = [*hot, *[n for n in warm if n not in hot]][: MAX_PREFERRED - len(hot)]
+    terms = _terms(WARM_WEIGHT, sorted(warm)) + _terms(RESIDENT_WEIGHT, hot)
     if terms:
         affinity = dict(spec.get("affinity") or {})
         node_affinity = dict(affinity.get("nodeAffinity") or {})

@@ -378,9 +378,16 @@ def record_cached_nodes(
     restored_on = [p.node for p in pods if p.origin == "restored" and p.checkpoint == path]
     nodes = placement.cached_nodes(ckpt, restored_on)
     if nodes is not None:
-        kube.merge_patch(
-            "Checkpoint", spec.namespace, in_use, {"status": {"cachedNodes": nodes}}, sub="status"
-        )
+        try:
+            kube.merge_patch(
+                "Checkpoint",
+                spec.namespace,
+                in_use,
+                {"status": {"cachedNodes": nodes}},
+                sub="status",
+            )
+        except KubeError as e:  # placement only: the next pass retries
+            log.warning("Checkpoint %s: cachedNodes not recorded: %s", in_use, e)
 
 
 def release_gated(kube: Kube, spec: IsvcSpec) -> None:
@@ -389,7 +396,10 @@ def release_gated(kube: Kube, spec: IsvcSpec) -> None:
     was down wait for it."""
     for pod in kube.list("Pod", spec.namespace, b.selector_string(spec.name)):
         if placement.gated(pod) and not (pod.get("metadata") or {}).get("deletionTimestamp"):
-            log.info("pod %s: %s", pod["metadata"]["name"], release_pod(kube, pod))
+            try:
+                log.info("pod %s: %s", pod["metadata"]["name"], release_pod(kube, pod))
+            except KubeError as e:  # gone meanwhile, or the apiserver: the next pass retries
+                log.warning("pod %s still gated: %s", pod["metadata"]["name"], e)
 
 
 def release_pod(kube: Kube, pod: Body) -> str:
@@ -409,7 +419,18 @@ def release_pod(kube: Kube, pod: Body) -> str:
         resident = placement.resident_nodes(status)
     except KubeError as e:
         log.warning("placing pod %s/%s without warm nodes: %s", ns, meta["name"], e)
-    kube.merge_patch("Pod", ns, meta["name"], placement.release_patch(pod, warm, resident))
+    try:
+        kube.merge_patch("Pod", ns, meta["name"], placement.release_patch(pod, warm, resident))
+    except KubeError as e:
+        if e.status != 422:
+            raise
+        # The apiserver refused the terms (a rule this code does not know): the pod must
+        # not stay gated for it; released without them, and said so.
+        log.warning(
+            "pod %s/%s: placement terms refused (%s); released without", ns, meta["name"], e
+        )
+        kube.merge_patch("Pod", ns, meta["name"], placement.release_patch(pod, [], []))
+        return f"released without placement terms ({e.message[:200]})"
     if not warm:
         return "no node holds its checkpoint yet"
     hot = [n for n in resident if n in warm]

@@ -138,10 +138,22 @@ def test_a_gated_pod_is_released_toward_the_warm_nodes_keeping_the_users_affinit
         ]
     )
     prefs = node_aff["preferredDuringSchedulingIgnoredDuringExecution"]
-    assert [(t["weight"], t["preference"]["matchFields"][0]["values"]) for t in prefs[-2:]] == [
-        (placement.WARM_WEIGHT, ["node-a", "node-b", "node-c"]),
-        (placement.RESIDENT_WEIGHT, ["node-b"]),
+    # One node per term: the apiserver takes exactly one value for a node field selector.
+    assert [(t["weight"], t["preference"]["matchFields"]) for t in prefs[-4:]] == [
+        (w, [{"key": "metadata.name", "operator": "In", "values": [n]}])
+        for w, n in (
+            (placement.WARM_WEIGHT, "node-a"),
+            (placement.WARM_WEIGHT, "node-b"),
+            (placement.WARM_WEIGHT, "node-c"),
+            (placement.RESIDENT_WEIGHT, "node-b"),
+        )
     ]
+    # A fleet's worth of warm nodes: bounded, the resident ones kept.
+    many = [f"n{i:03}" for i in range(100)]
+    big = placement.release_patch(pod, many, ["n099"])["spec"]["affinity"]["nodeAffinity"]
+    added = big["preferredDuringSchedulingIgnoredDuringExecution"][len(prefs) - 4 :]
+    assert len(added) == placement.MAX_PREFERRED
+    assert {"values": ["n099"]}.items() <= added[-1]["preference"]["matchFields"][0].items()
     # No warm node yet: only the gate goes, the affinity is left as it is.
     bare = placement.release_patch(pod, [], ["node-b"])
     assert "affinity" not in bare["spec"] and placement.gated(pod) and not placement.gated(bare)
@@ -547,3 +559,34 @@ def test_every_operator_volume_is_reserved() -> None:
     assert names <= set(pt.RESERVED_VOLUMES), names - set(pt.RESERVED_VOLUMES)
     paths = {m["mountPath"] for m in main(pod(s))["volumeMounts"]}
     assert all(pt.reserved_path(p) for p in paths), paths
+
+
+def test_a_pod_whose_terms_the_apiserver_refuses_is_released_without_them() -> None:
+    """Never left gated: a 422 on the placement terms releases the pod with the gate
+    removed alone, and says so."""
+    from rekindle_operator import placement
+    from rekindle_operator.kube import KubeError
+    from rekindle_operator.reconcile import release_pod
+
+    class Api:
+        def __init__(self) -> None:
+            self.patches: list[dict[str, Any]] = []
+
+        def get(self, kind: str, ns: str, name: str) -> dict[str, Any]:
+            if kind == "InferenceService":
+                return {"status": {"checkpoint": "c1"}}
+            return {"status": {"node": "node-a"}}
+
+        def merge_patch(self, kind: str, ns: str, name: str, patch: dict[str, Any]) -> None:
+            self.patches.append(patch)
+            if "affinity" in patch["spec"]:
+                raise KubeError(422, "Pod is invalid: spec.affinity: a rule of this apiserver")
+
+    api = Api()
+    pod = {
+        "metadata": {"name": "p", "namespace": "ns", "labels": {NAME_LABEL: "m"}},
+        "spec": {"schedulingGates": [{"name": placement.GATE}]},
+    }
+    said = release_pod(api, pod)  # type: ignore[arg-type]
+    assert said.startswith("released without placement terms (Pod is invalid")
+    assert api.patches[-1] == {"spec": {"schedulingGates": []}}

@@ -292,7 +292,7 @@ def test_checkpoint_pvc_access_mode(namespace: str) -> None:
 
 def test_model_sources_accepted_and_their_pods_validate(namespace: str) -> None:
     """Each source kind passes the CRD, and its Deployment (init container, Secret
-    reference, cache volume; the node preference of a hostPath restore) the apiserver."""
+    reference, cache volume) the apiserver."""
     models = {
         "pvc": {"pvc": {"claimName": "weights", "subPath": "tiny"}},
         "node": {"hostPath": {"path": "/srv/models/tiny"}},
@@ -304,6 +304,7 @@ def test_model_sources_accepted_and_their_pods_validate(namespace: str) -> None:
             },
             "revision": MODEL_COMMIT,
         },
+        "s3": {"s3": S3_MODEL},
     }
     for name, model in models.items():
         doc = sample(model={"servedName": "tiny", **model})
@@ -311,21 +312,75 @@ def test_model_sources_accepted_and_their_pods_validate(namespace: str) -> None:
         r = apply(doc, namespace)
         assert r.returncode == 0, f"{name}: {r.stderr}"
         owner = kubectl_json("get", "rkis", name, "-n", namespace)
-        if name != "hf":  # (its token key is defaulted, below)
+        if name not in ("hf", "s3"):  # (their token key and region are defaulted, below)
             assert owner["spec"]["model"] == {"servedName": "tiny", **model}
         spec = parse_spec(name, namespace, owner["spec"])
         dep = b.build_deployment(
-            spec,
-            effective_shm_bytes(spec, shm_need(spec)),
-            spec_fingerprint(spec),
-            owner,
-            restore_node="some-node",
+            spec, effective_shm_bytes(spec, shm_need(spec)), spec_fingerprint(spec), owner
         )
         r = apply(dep, namespace, "--dry-run=server")
         assert r.returncode == 0, f"{name}: {r.stderr}"
+    s3 = kubectl_json("get", "rkis", "s3", "-n", namespace)
+    assert s3["spec"]["model"]["s3"] == {**S3_MODEL, "region": "us-east-1"}
     hf = kubectl_json("get", "rkis", "hf", "-n", namespace)
     # The CRD defaults the token's key to the name the hub client reads.
     assert hf["spec"]["model"]["huggingFace"]["tokenSecretRef"] == {
         "name": "hf-token",
         "key": "HF_TOKEN",
     }
+
+
+def test_a_gated_pod_takes_the_operators_release(namespace: str) -> None:
+    """Warm placement against the real apiserver: a node-storage service's pod is created
+    gated, and the release (the gate removed, one preferred term per warm node beside the
+    user's affinity) is an update the apiserver accepts for a gated pod. The pod never
+    schedules here (the gate is kept on the dry run)."""
+    from rekindle_operator import placement
+
+    doc = sample(model={"servedName": "tiny", "source": "/models/tiny"})
+    doc["metadata"]["name"] = "gated"
+    doc["spec"]["coldStart"] = {"storage": {"type": "node"}}
+    doc["spec"]["podTemplate"] = {
+        "spec": {
+            "affinity": {
+                "nodeAffinity": {
+                    "preferredDuringSchedulingIgnoredDuringExecution": [
+                        {
+                            "weight": 10,
+                            "preference": {
+                                "matchExpressions": [
+                                    {"key": "zone", "operator": "In", "values": ["a", "b"]}
+                                ]
+                            },
+                        }
+                    ]
+                }
+            }
+        }
+    }
+    assert apply(doc, namespace).returncode == 0
+    owner = kubectl_json("get", "rkis", "gated", "-n", namespace)
+    spec = parse_spec("gated", namespace, owner["spec"])
+    template = b.build_deployment(
+        spec, effective_shm_bytes(spec, shm_need(spec)), spec_fingerprint(spec), owner
+    )["spec"]["template"]
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "gated-0"}, **template}
+    pod["metadata"] = {**template["metadata"], "name": "gated-0"}
+    assert apply(pod, namespace).returncode == 0
+    try:
+        created = kubectl_json("get", "pod", "gated-0", "-n", namespace)
+        assert placement.gated(created)
+        patch = placement.release_patch(created, ["node-a", "node-b"], ["node-b"])
+        r = kubectl(
+            "patch", "pod", "gated-0", "-n", namespace, "--type=merge",
+            "-p", json.dumps(patch), "--dry-run=server", "-o", "json", check=False,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        released = json.loads(r.stdout)
+        assert not placement.gated(released)
+        terms = released["spec"]["affinity"]["nodeAffinity"][
+            "preferredDuringSchedulingIgnoredDuringExecution"
+        ]
+        assert len(terms) == 4 and terms[0]["weight"] == 10  # the user's term kept first
+    finally:
+        kubectl("delete", "pod", "gated-0", "-n", namespace, "--wait=false", check=False)

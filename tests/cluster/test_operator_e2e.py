@@ -40,6 +40,7 @@ from typing import Any
 import pytest
 import yaml
 from rekindle_agent.mapped_files import immutable
+from rekindle_operator import placement
 from rekindle_operator.pods import BUSY_STATES
 from rekindle_operator.quantity import to_bytes
 from rekindle_operator.shm_sizing import shm_need
@@ -483,6 +484,14 @@ def test_a_tampered_restore_pointer_boots_normally_and_says_why(
         kubectl("patch", f"rkis/{NAME}", "-n", op_namespace, "--type=merge", "-p",
                 json.dumps({"spec": {"replicas": 1}}))  # fmt: skip
         kubectl("scale", f"deployment/{NAME}", "-n", op_namespace, "--replicas=1")
+        # The new pod waits for the operator to place it (warm placement's scheduling
+        # gate); with the operator stopped, the test releases it as the operator would.
+        wait_until("the new pod", lambda: bool(pods_of(NAME, op_namespace)), 60)
+        for p in pods_of(NAME, op_namespace):
+            if placement.gated(p):
+                release = placement.release_patch(p, [], [])
+                kubectl("patch", "pod", p["metadata"]["name"], "-n", op_namespace,
+                        "--type=merge", "-p", json.dumps(release))  # fmt: skip
 
         def started() -> bool:
             pods = pods_of(NAME, op_namespace)

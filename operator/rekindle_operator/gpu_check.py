@@ -433,12 +433,21 @@ class Run:
             self.add(judge("restore_same_gpu", "speedup vs boot", speedup, "restore_speedup"))
         self._reload_bandwidth(t.pod)
 
+    def _restore_phases(self, pod: str, wait_s: float = 30.0) -> dict[str, Any]:
+        """The pod's restore phases from the service's status (refreshed every few
+        seconds: waited for, bounded)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            isvc = self.kube.get(ISVC_KIND, self.ns, NAME) or {}
+            for p in (isvc.get("status") or {}).get("pods") or []:
+                if p.get("name") == pod and p.get("restoreSeconds"):
+                    return dict(p["restoreSeconds"])
+            if time.monotonic() >= deadline:
+                return {}
+            time.sleep(1)
+
     def _reload_bandwidth(self, pod: str) -> None:
-        isvc = self.kube.get(ISVC_KIND, self.ns, NAME) or {}
-        entry: dict[str, Any] = next(
-            (p for p in (isvc.get("status") or {}).get("pods") or [] if p.get("name") == pod), {}
-        )
-        reload_s = (entry.get("restoreSeconds") or {}).get("reload_weights")
+        reload_s = self._restore_phases(pod).get("reload_weights")
         ck = self.kube.get(CKPT_KIND, self.ns, self.checkpoint_name) or {}
         weights = (ck.get("status") or {}).get("weightsBytes")
         if not reload_s or not weights:

@@ -358,12 +358,17 @@ def _probe(path: str, spec: IsvcSpec, **timing: int) -> Obj:
 
 
 def build_pod_template(
-    spec: IsvcSpec, shm_bytes: int, fingerprint: str, service_uid: str = ""
+    spec: IsvcSpec,
+    shm_bytes: int,
+    fingerprint: str,
+    service_uid: str = "",
+    warm_placement: bool = True,
 ) -> Obj:
     """The pod the operator owns, with the user's spec.podTemplate and spec.envFrom merged in.
 
     service_uid: the InferenceService's UID; its pods restore only from a restore
-    pointer the operator signed for it."""
+    pointer the operator signed for it. warm_placement: node-local storage's pods
+    are created gated, for the operator to place (placement.py)."""
     template = _operator_pod_template(spec, shm_bytes, fingerprint, service_uid)
     container = template["spec"]["containers"][0]
     if spec.env_from:
@@ -371,7 +376,7 @@ def build_pod_template(
         # (and the loopback ones) stay as set even if a Secret holds the same names.
         container["envFrom"] = env_from_manifest(spec.env_from)
     merge_into(template, container, spec.pod_template)
-    if placement.uses_gate(spec.storage.type):
+    if warm_placement and placement.uses_gate(spec.storage.type):
         # Released by the operator with the warm nodes of the moment (placement.py).
         template["spec"]["schedulingGates"] = [{"name": placement.GATE}]
     return template
@@ -644,6 +649,7 @@ def build_deployment(
     fingerprint: str,
     owner: Mapping[str, Any] | None = None,
     surge: int = 0,
+    warm_placement: bool = True,
 ) -> Obj:
     """The vLLM pods: the agent as entrypoint, /dev/shm sized, checkpoint storage mounted.
 
@@ -652,7 +658,7 @@ def build_deployment(
     it is created, not here (placement.py).
     """
     uid = str(((owner or {}).get("metadata") or {}).get("uid") or "")
-    template = build_pod_template(spec, shm_bytes, fingerprint, uid)
+    template = build_pod_template(spec, shm_bytes, fingerprint, uid, warm_placement)
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",

@@ -166,7 +166,14 @@ def ensure_objects(
     kube.apply(b.build_service(spec, owner=body))
     if deployment:
         kube.apply(
-            b.build_deployment(spec, shm_bytes, spec_fingerprint(spec), owner=body, surge=surge)
+            b.build_deployment(
+                spec,
+                shm_bytes,
+                spec_fingerprint(spec),
+                owner=body,
+                surge=surge,
+                warm_placement=settings.warm_placement,
+            )
         )
 
 

@@ -14,6 +14,10 @@ Job in the operator's namespace.
 REKINDLE_DELETE_TIMEOUT: seconds a Checkpoint's deletion may keep retrying to
 create its cleanup Job before its finalizer is dropped with a Warning Event
 (default 300).
+
+REKINDLE_WARM_PLACEMENT: `false` creates the pods of node-local storage without
+the placement gate (placement.py): they schedule without the operator, where
+the scheduler puts them. Default true.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ class Settings:
     operator_namespace: str = ""
     operator_labels: dict[str, str] = field(default_factory=dict)
     delete_timeout_s: float = DEFAULT_DELETE_TIMEOUT_S
+    warm_placement: bool = True
 
     @property
     def network_policy(self) -> bool:
@@ -58,4 +63,5 @@ def from_env(env: dict[str, str] | None = None) -> Settings:
         operator_namespace=e.get("REKINDLE_OPERATOR_NAMESPACE", "").strip(),
         operator_labels=labels,
         delete_timeout_s=float(e.get("REKINDLE_DELETE_TIMEOUT") or DEFAULT_DELETE_TIMEOUT_S),
+        warm_placement=e.get("REKINDLE_WARM_PLACEMENT", "true").strip().lower() != "false",
     )

@@ -250,3 +250,15 @@ def test_notes_need_no_checkout(tmp_path: Path) -> None:
     doc = yaml.safe_load("\n".join(line.removeprefix("     ") for line in body.splitlines()))
     assert doc["kind"] == "InferenceService"
     assert doc["spec"]["runtime"]["image"] == "rekindle.local/runtime-cpu:dev"
+
+
+def test_warm_placement_reaches_the_operator_as_its_setting() -> None:
+    """warmPlacement (default true) is the operator's REKINDLE_WARM_PLACEMENT."""
+
+    def setting(*values: str) -> str:
+        (container,) = pod_spec(render(*values), "Deployment")["containers"]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        return str(env["REKINDLE_WARM_PLACEMENT"])
+
+    assert setting() == "true"
+    assert setting("warmPlacement=false") == "false"

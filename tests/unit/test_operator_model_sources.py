@@ -319,6 +319,9 @@ def test_node_local_checkpoints_create_pods_gated_for_placement() -> None:
     claim = spec_with({"source": "/m"})
     plain = b.build_deployment(claim, effective_shm_bytes(claim, shm_need(claim)), "fp")
     assert "schedulingGates" not in plain["spec"]["template"]["spec"]
+    # The chart's warmPlacement: false: no gate, pods schedule without the operator.
+    off = b.build_deployment(s, effective_shm_bytes(s, shm_need(s)), "fp", warm_placement=False)
+    assert "schedulingGates" not in off["spec"]["template"]["spec"]
 
 
 def test_read_write_once_on_several_nodes_warns() -> None:

@@ -22,6 +22,7 @@ def test_from_env() -> None:
             "REKINDLE_OPERATOR_POD_LABELS": "app.kubernetes.io/name=rekindle,"
             "app.kubernetes.io/instance=r",
             "REKINDLE_DELETE_TIMEOUT": "60",
+            "REKINDLE_WARM_PLACEMENT": "false",
         }
     )
     assert s.allowed_images == ("a:1", "b/*", "c:2")
@@ -29,7 +30,7 @@ def test_from_env() -> None:
         "app.kubernetes.io/name": "rekindle",
         "app.kubernetes.io/instance": "r",
     }
-    assert s.network_policy and s.delete_timeout_s == 60
+    assert s.network_policy and s.delete_timeout_s == 60 and s.warm_placement is False
     empty = from_env({})
     assert empty.allowed_images == () and not empty.network_policy
-    assert empty.delete_timeout_s == 300
+    assert empty.delete_timeout_s == 300 and empty.warm_placement is True

@@ -91,8 +91,11 @@ def locked(path: Path) -> Iterator[None]:
 
 def point_ref(repo: Path, revision: str, commit: str) -> None:
     """refs/REVISION -> ../snapshots/COMMIT, replaced atomically (readers never see it missing)."""
-    ref = repo / "refs" / ref_name(revision)
-    target = f"../snapshots/{commit}"
+    point(repo / "refs" / ref_name(revision), f"../snapshots/{commit}")
+
+
+def point(ref: Path, target: str) -> None:
+    """The symlink ref -> target, replaced atomically (readers never see it missing)."""
     if ref.is_symlink() and os.readlink(ref) == target:
         return
     tmp = ref.with_name(f".tmp-{ref.name}-{os.getpid()}")

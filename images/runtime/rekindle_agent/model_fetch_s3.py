@@ -34,7 +34,7 @@ from pathlib import Path
 from rekindle_contract.model_cache import S3_REF, s3_dir
 from rekindle_store.s3 import Bucket, Credentials, ObjectInfo, S3Error
 
-from rekindle_agent.model_fetch import FetchError, locked, log
+from rekindle_agent.model_fetch import FetchError, locked, log, point
 
 PART_BYTES = 16 << 20
 THREADS = 8
@@ -126,18 +126,6 @@ def check(path: Path, o: ObjectInfo) -> None:
         raise FetchError(f"{o.key}: content does not match the store's ETag (MD5); refused")
 
 
-def point_current(model: Path, name: str) -> None:
-    """refs/current -> ../snapshots/NAME, replaced atomically."""
-    ref = model / "refs" / S3_REF
-    target = f"../snapshots/{name}"
-    if ref.is_symlink() and os.readlink(ref) == target:
-        return
-    tmp = ref.with_name(f".tmp-{S3_REF}-{os.getpid()}")
-    tmp.unlink(missing_ok=True)
-    os.symlink(target, tmp)
-    os.replace(tmp, ref)
-
-
 def fetch_s3(bucket: Bucket, prefix: str, cache: Path) -> Path:
     """Make cache hold the current listing of prefix; returns the ref path vLLM loads.
 
@@ -178,5 +166,5 @@ def fetch_s3(bucket: Bucket, prefix: str, cache: Path) -> Path:
             os.rename(tmp, snapshot)
             seconds = time.monotonic() - start
             log(f"downloaded in {seconds:.1f}s ({size / max(seconds, 1e-9) / 1e6:.0f} MB/s)")
-        point_current(model, name)
+        point(model / "refs" / S3_REF, f"../snapshots/{name}")
     return model / "refs" / S3_REF

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rekindle_node import nvidia_fds
+from rekindle_node.identity import proc_status
 
 PROC = Path("/proc")
 RUNNING = "running"
@@ -77,14 +78,6 @@ class CudaCheckpoint:
         self._run(args)
 
 
-def _status(pid: int, proc: Path) -> dict[str, str]:
-    out = {}
-    for line in (proc / str(pid) / "status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        out[key] = value.strip()
-    return out
-
-
 def host_pids(pod_init: int, proc: Path = PROC) -> dict[int, int]:
     """pid in the pod's pid namespace -> host pid, for every process of that namespace
     (pod_init: the host pid of any process of it, the node agent gives its PID 1).
@@ -97,7 +90,7 @@ def host_pids(pod_init: int, proc: Path = PROC) -> dict[int, int]:
         try:
             if os.stat(entry / "ns" / "pid").st_ino != target:
                 continue
-            nspid = _status(int(entry.name), proc)["NSpid"].split()
+            nspid = proc_status(proc, int(entry.name))["NSpid"].split()
         except (OSError, KeyError):
             continue  # gone, or a kernel thread
         out[int(nspid[-1])] = int(entry.name)
@@ -128,7 +121,7 @@ def gpu_tree(
                     out[pod_pid] = host
                 break
             try:
-                current = int(_status(current, proc)["PPid"])
+                current = int(proc_status(proc, current)["PPid"])
             except (OSError, KeyError, ValueError):
                 break
             seen += 1

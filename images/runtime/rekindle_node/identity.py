@@ -110,7 +110,7 @@ def namespace_init(pid: int, proc: Path = PROC) -> int:
     current = pid
     for _ in range(4096):
         try:
-            status = _status(proc, current)
+            status = proc_status(proc, current)
         except OSError as e:
             raise IdentityError(f"process {current}: its status cannot be read ({e})") from e
         if int(status["NSpid"].split()[-1]) == 1:
@@ -119,7 +119,8 @@ def namespace_init(pid: int, proc: Path = PROC) -> int:
     raise IdentityError(f"process {pid}: no PID 1 found above it")
 
 
-def _status(proc: Path, pid: int) -> dict[str, str]:
+def proc_status(proc: Path, pid: int) -> dict[str, str]:
+    """/proc/PID/status as its fields (key -> value, stripped)."""
     out = {}
     for line in (proc / str(pid) / "status").read_text().splitlines():
         key, _, value = line.partition(":")

@@ -11,6 +11,8 @@ from typing import Any
 
 from rekindle_store.s3 import Credentials
 
+from rekindle_dev.seaweedfs import SIZING_ARGS
+
 IMAGE = "rekindle.local/object-store:dev"
 BUCKET = "checkpoints"
 PORT = 8333
@@ -43,6 +45,7 @@ def manifests(ns: str, creds: Credentials, data_dir: str, node: str) -> list[dic
         f"-s3.port={PORT}",
         "-s3.config=/etc/s3/config.json",
         f"-bucket={BUCKET}",
+        *SIZING_ARGS,
     ]
     return [
         {

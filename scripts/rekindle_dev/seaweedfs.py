@@ -9,6 +9,7 @@ off, so it talks to nothing but this test.
 from __future__ import annotations
 
 import json
+import random
 import signal
 import socket
 import subprocess
@@ -23,6 +24,16 @@ ACCESS_KEY = "rekindle-test"
 SECRET_KEY = "rekindle-test-secret-key-0123456789"
 # weed mini's servers, each an HTTP port and a gRPC port.
 _SERVERS = ("master", "volume", "filer", "s3", "admin")
+# Below the kernel's ephemeral range (net.ipv4.ip_local_port_range, 32768 up by
+# default), so that no outbound connection takes a port between its choice and a
+# restart's bind.
+_PORT_RANGE = (20000, 32767)
+# Its capacity, fixed instead of derived from the host's free disk: weed mini
+# sizes volumes (up to 1 GiB) and their count from free space at first start, and
+# each bucket is a collection that grows volumes of its own, so on a fuller disk
+# the tests' tenth bucket got HTTP 500 on its first PUT. Volumes are not
+# preallocated: 400 of 64 MiB reserve nothing on disk.
+SIZING_ARGS = ("-master.volumeSizeLimitMB=64", "-volume.max=400")
 
 
 def build() -> Path:
@@ -39,10 +50,21 @@ def build() -> Path:
     return Path(res.stdout.strip().splitlines()[-1])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _free_port(taken: set[int]) -> int:
+    """A port free on loopback now, below the ephemeral range, not in taken."""
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randint(*_PORT_RANGE)
+        if port in taken:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        taken.add(port)
+        return port
+    raise RuntimeError(f"no free loopback port in {_PORT_RANGE}")
 
 
 class SeaweedFS:
@@ -51,7 +73,8 @@ class SeaweedFS:
     def __init__(self, weed: Path, root: Path) -> None:
         self.weed = weed
         self.root = root
-        self.ports = {name: (_free_port(), _free_port()) for name in _SERVERS}
+        taken: set[int] = set()
+        self.ports = {name: (_free_port(taken), _free_port(taken)) for name in _SERVERS}
         self.proc: subprocess.Popen[bytes] | None = None
         (root / "data").mkdir(parents=True, exist_ok=True)
         config = {
@@ -86,6 +109,7 @@ class SeaweedFS:
             "-s3.port.iceberg=0",
             "-s3.port.lance=0",
             f"-s3.config={self.root / 's3.json'}",
+            *SIZING_ARGS,
         ]
         for name, (http, grpc) in self.ports.items():
             argv += [f"-{name}.port={http}", f"-{name}.port.grpc={grpc}"]

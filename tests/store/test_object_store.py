@@ -6,15 +6,19 @@ are real directories, as the node agent keeps them.
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 from typing import Any, cast
 
 import pytest
 from rekindle_contract.manifest import MANIFEST_FORMAT, MANIFEST_NAME, Manifest
-from rekindle_dev.seaweedfs import SeaweedFS
-from rekindle_store import manifest_io, object_copy
+from rekindle_dev.seaweedfs import ACCESS_KEY, SECRET_KEY, SeaweedFS
+from rekindle_store import manifest_io, node_cache, object_copy
 from rekindle_store.node_cache import NodeCache, VerifiedCheckpoint
 from rekindle_store.object_copy import PART_BYTES, StoreLocation
 from rekindle_store.s3 import Bucket, Credentials
@@ -180,6 +184,77 @@ def test_a_pull_cut_when_the_store_goes_away_resumes_where_it_stopped(
     assert sum(first) + sum(second) == entry.bytes, (first, second)
     assert sum(first) >= 2 * PART_BYTES
     assert not list(node_b.pulls.iterdir())
+
+
+# The node agent's pull in a process of its own, which dies (SIGKILL, as a node lost
+# or an agent OOM-killed) once two ranges are in and checked.
+_DYING_PULL = """
+import json, os, signal, sys
+from pathlib import Path
+from rekindle_store import object_copy
+from rekindle_store.node_cache import NodeCache
+from rekindle_store.s3 import Bucket, Credentials
+a = json.loads(sys.argv[1])
+bucket = Bucket(a["endpoint"], a["bucket"], Credentials(a["access"], a["secret"]), timeout=10)
+loc = object_copy.StoreLocation.of(bucket, "rekindle", "team-a", "/checkpoints/first-1a2b")
+done = []
+def die(n):
+    done.append(n)
+    if len(done) == 2:
+        print(sum(done), flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+NodeCache(Path(a["root"]), 1 << 30).get_from_store(loc, a["key"].encode(), 1, die)
+"""
+
+
+def test_a_node_lost_mid_pull_resumes_in_the_same_boot_and_starts_over_after_a_reboot(
+    tmp_path: Path, bucket: Bucket, seaweedfs: SeaweedFS, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pages = _pages()
+    entry, loc = _published(tmp_path, bucket, pages)
+    args = {
+        "endpoint": seaweedfs.endpoint,
+        "bucket": bucket.bucket,
+        "access": ACCESS_KEY,
+        "secret": SECRET_KEY,
+        "root": str(tmp_path / "node-b"),
+        "key": KEY.decode(),
+    }
+    died = subprocess.run(
+        [sys.executable, "-c", _DYING_PULL, json.dumps(args)],
+        stdout=subprocess.PIPE,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert died.returncode == -signal.SIGKILL, died
+    checked = int(died.stdout)
+
+    # The node agent back in the same boot: nothing half-pulled is a cache entry, and
+    # the next pull fetches only what the dead one had not checked.
+    node_b = _node_b(tmp_path)
+    assert node_b.names() == []
+    (staged,) = node_b.pulls.iterdir()
+    assert (staged / object_copy.JOURNAL).is_file()
+    rest: list[int] = []
+    got = node_b.get_from_store(loc, KEY, 4, rest.append)
+    assert (got.path / "images" / "pages-1.img").read_bytes() == pages
+    assert checked >= 2 * PART_BYTES and checked + sum(rest) == entry.bytes, (checked, rest)
+
+    # Cut again, then the node reboots: its unsynced bytes are not trusted, the cut
+    # pull is removed when the node agent starts, and the next pull reads everything.
+    node_b.drop(got.entry)
+    died = subprocess.run(
+        [sys.executable, "-c", _DYING_PULL, json.dumps(args)], timeout=120, check=False
+    )
+    assert died.returncode == -signal.SIGKILL
+    assert list(node_b.pulls.iterdir())
+    monkeypatch.setattr(node_cache, "boot_id", lambda: "another-boot")
+    after_reboot = _node_b(tmp_path)
+    assert not list(after_reboot.pulls.iterdir())
+    everything: list[int] = []
+    after_reboot.get_from_store(loc, KEY, 4, everything.append)
+    assert sum(everything) == entry.bytes
 
 
 def test_an_unreachable_store_says_so(tmp_path: Path) -> None:

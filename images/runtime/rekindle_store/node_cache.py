@@ -100,6 +100,19 @@ class NodeCache:
             os.chmod(d, 0o700)
         shutil.rmtree(self.staging, ignore_errors=True)
         self.staging.mkdir(mode=0o700)
+        self._drop_stale_pulls()
+
+    def _drop_stale_pulls(self) -> None:
+        """Remove pulls cut before this boot (a node lost mid-pull): their journal no
+        longer vouches for bytes that may never have reached the disk, so they would
+        start over anyway, and a checkpoint nobody asks for again would hold its bytes
+        outside the budget forever. A pull of this boot stays: it resumes."""
+        if not self.pulls.is_dir():
+            return
+        boot = boot_id()
+        for stage in self.pulls.iterdir():
+            if object_copy.journal_boot(stage) != boot:
+                _remove(stage)
 
     def get(
         self,

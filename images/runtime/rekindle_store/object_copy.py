@@ -184,6 +184,15 @@ class _FileState:
     verified: int  # bytes hashed so far, in order
 
 
+def journal_boot(stage: Path) -> str | None:
+    """The boot a pull's journal was written in (None: no journal)."""
+    try:
+        doc = json.loads((stage / JOURNAL).read_text())
+    except (OSError, ValueError):
+        return None
+    return str(doc.get("boot_id")) if isinstance(doc, dict) else None
+
+
 class _Journal:
     """How far each file of a pull was verified, on the local disk beside the files."""
 

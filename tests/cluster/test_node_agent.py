@@ -18,6 +18,7 @@ import shutil
 import signal
 import stat
 import textwrap
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +26,7 @@ from typing import Any
 
 import pytest
 from rekindle_operator import placement
+from rekindle_store.s3 import Bucket
 
 from tests.cluster import object_store
 from tests.cluster.cluster_tools import (
@@ -357,20 +359,27 @@ print(json.dumps(out))
 
 
 @pytest.fixture(scope="module")
-def tenant(node_agent: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A namespace that enforces Pod Security baseline, with an operator watching it."""
+def tenant_operator(
+    node_agent: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, OperatorProcess]]:
+    """A namespace that enforces Pod Security baseline, and the operator watching it."""
     install_crds()
     ns = _namespace("baseline")
     op = OperatorProcess(ns, tmp_path_factory.mktemp("operator") / "operator.log")
     op.start()
     try:
-        yield ns
+        yield ns, op
     finally:
         wind_down(ns)
         op.kill(signal.SIGTERM)
         print(f"operator log tail:\n{op.tail()}")
         release(ns)
         kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="module")
+def tenant(tenant_operator: tuple[str, OperatorProcess]) -> str:
+    return tenant_operator[0]
 
 
 def _ready(ns: str, origin: str, name: str = NAME) -> dict[str, Any]:
@@ -455,9 +464,25 @@ def _entries(node_agent: str, node: str = NODE1) -> list[Path]:
     return list((_state_dir(node_agent, node) / "cache" / "entries").iterdir())
 
 
+@pytest.fixture
+def first_node_only() -> Iterator[None]:
+    """New pods go to the first node (the second cordoned) unless a test swaps them;
+    both nodes schedulable again afterwards."""
+    require_second_node()
+    kubectl("cordon", NODE2)
+    try:
+        yield
+    finally:
+        kubectl("uncordon", NODE1, NODE2)
+
+
 def test_a_node_mode_service_boots_checkpoints_and_restores_unprivileged(
-    tenant: str, node_agent: str, shared_storage: Path
+    tenant: str, node_agent: str, shared_storage: Path, first_node_only: None
 ) -> None:
+    """Serving unprivileged, checkpointed by the node agent, published to a
+    ReadWriteMany claim (here a hostPath volume both nodes share: they share this
+    machine's disk, as NFS shares one in a real cluster) and pulled from it onto the
+    second node, every byte checked."""
     ns = tenant
     require_runtime_image()
     doc = isvc_manifest(NAME, "/unused", example="tiny-cpu.yaml")
@@ -466,6 +491,7 @@ def test_a_node_mode_service_boots_checkpoints_and_restores_unprivileged(
         "node": {"publish": "pvc"},
         "pvc": {"existingClaim": SHARED_CLAIM},
     }
+    doc["spec"]["podTemplate"] = {"spec": {"tolerations": [NODE2_TOLERATION]}}
     r = apply(doc, ns)
     assert r.returncode == 0, r.stderr
     _ready(ns, "booted")
@@ -553,16 +579,25 @@ def test_a_node_mode_service_boots_checkpoints_and_restores_unprivileged(
     assert not list((_state_dir(node_agent) / "cache" / "entries").iterdir())
     wait_until("the Service to accept connections", lambda: accepts(url), 60)
     assert _completions(url) == before
-    # Put back as published: pulled into the cache, verified, and restored from there.
+    # Put back as published: the next replica on the second node (which never held it)
+    # pulls it from the shared claim into its cache, verified, and restores from there.
     images.unlink()
     (copy / "images.real").rename(images)
     flip_middle(pages)
-    _restart(ns, "restored")
-    (entry,) = (_state_dir(node_agent) / "cache" / "entries").iterdir()
+    kubectl("uncordon", NODE2)
+    kubectl("cordon", NODE1)
+    obj = _restart(ns, "restored")
+    assert (obj["status"]["pods"][0]["node"], obj["status"]["pods"][0]["coldStartPath"]) == (
+        NODE2,
+        "restoreAfterPull",
+    ), obj["status"]["pods"]
+    (entry,) = _entries(node_agent, NODE2)
     record = json.loads((entry / ".entry.json").read_bytes())
     assert record["source"] == f"pod:{done['status']['path']}", record
     wait_until("the Service to accept connections", lambda: accepts(url), 60)
     assert _completions(url) == before
+    kubectl("uncordon", NODE1)
+    kubectl("cordon", NODE2)
 
     # Neither in the cache nor published: a new pod boots normally and says why.
     _evict(node_agent)
@@ -583,15 +618,16 @@ def test_a_node_mode_service_boots_checkpoints_and_restores_unprivileged(
 
 
 def test_a_checkpoint_made_on_one_node_restores_on_another_through_the_object_store(
-    tenant: str, node_agent: str, s3: ObjectStore
+    tenant_operator: tuple[str, OperatorProcess], node_agent: str, s3: ObjectStore
 ) -> None:
     """The fleet case: a checkpoint made on the first node, a replica on the second
     (a node that never saw it) pulls it from the object store, every byte checked
-    against the fleet's signature, and restores with the same answers. A changed or
-    cut object is refused at the store level (tests/store); here, the whole store gone:
-    the replica boots and says why."""
+    against the fleet's signature, and restores with the same answers. The operator
+    is killed while the checkpoint is being published: the agents finish it, the new
+    operator process records it. A changed or cut object is refused at the store level
+    (tests/store); here, the whole store gone: the replica boots and says why."""
     require_second_node()
-    ns, name = tenant, "tiny-s3"
+    (ns, operator), name = tenant_operator, "tiny-s3"
     doc = isvc_manifest(name, "/unused", example="tiny-cpu.yaml")
     doc["spec"]["coldStart"]["storage"] = {"type": "node", "node": {"publish": "objectStore"}}
     # May run on either node (the second is tainted); pinned by cordoning below.
@@ -618,6 +654,8 @@ def test_a_checkpoint_made_on_one_node_restores_on_another_through_the_object_st
         "spec": {"inferenceService": name},
     }
     assert apply(ck, ns).returncode == 0
+    bucket = s3.bucket()
+    _kill_and_restart_during_publish(operator, bucket, ns, "to-s3")
     done = wait_status(
         "rkcp",
         "to-s3",
@@ -627,9 +665,11 @@ def test_a_checkpoint_made_on_one_node_restores_on_another_through_the_object_st
         600,
     )
     assert done["status"]["phase"] == "Ready", done["status"]
+    assert done["status"]["message"].endswith(
+        "(recorded after an operator restart, from the agent's status)"
+    ), done["status"]
     assert done["status"]["node"] == NODE1
-    bucket = s3.bucket()
-    prefix = f"rekindle/{ns}/{done['status']['path'].rstrip('/').rsplit('/', 1)[-1]}/"
+    prefix = _store_prefix(ns, done)
     keys = {o.key: o.size for o in bucket.list_objects(prefix)}
     manifest = json.loads(bucket.get(prefix + "manifest.json"))
     assert manifest["identity"]["namespace"] == ns and "signature" in manifest
@@ -701,6 +741,33 @@ def test_a_checkpoint_made_on_one_node_restores_on_another_through_the_object_st
     wait_until("the first node's copy dropped", lambda: not _entries(node_agent, NODE1), 60)
     kubectl("delete", "rkis", name, "-n", ns, "--timeout=120s")
     wait_until("its pods gone", lambda: not pods_of(name, ns), 180)
+
+
+def _store_prefix(ns: str, ck: dict[str, Any]) -> str:
+    """Where the node agents publish that Checkpoint in the object store."""
+    return f"rekindle/{ns}/{ck['status']['path'].rstrip('/').rsplit('/', 1)[-1]}/"
+
+
+def _kill_and_restart_during_publish(
+    operator: OperatorProcess, bucket: Bucket, ns: str, name: str, timeout: float = 600
+) -> None:
+    """SIGKILL the operator once the checkpoint's first objects are in the store and its
+    manifest is not (the node agent is publishing), then start it again."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ck = get("rkcp", name, ns) or {}
+        phase = (ck.get("status") or {}).get("phase")
+        if phase in ("Ready", "Failed"):
+            raise AssertionError(f"{name} finished before its publish was seen: {ck['status']}")
+        if (ck.get("status") or {}).get("path"):
+            keys = {o.key for o in bucket.list_objects(_store_prefix(ns, ck))}
+            if keys and _store_prefix(ns, ck) + "manifest.json" not in keys:
+                operator.kill(signal.SIGKILL)
+                assert not operator.alive()
+                operator.start()
+                return
+        time.sleep(0.1)
+    raise AssertionError(f"{name}: no publish seen in {timeout:.0f}s")
 
 
 def _preferred(pod: dict[str, Any]) -> list[str]:

@@ -29,6 +29,8 @@ MAX_ANSWER_BYTES = 4 << 20
 #         (args.from "store": from the node agent's object store; args.to the same for publish)
 # unpublish  delete checkpoint args.name of the caller's namespace from the object store,
 #         and from this node's cache unless a replica maps it
+# evict   drop checkpoint args.name of the caller's namespace from this node's cache
+#         unless a replica maps it (the store's copy stays: the next replica pulls it)
 # restore CRIU-restore checkpoint args.name into the caller's pod (args.mmap, .mmap_heap,
 #         .stopped); answer: pid
 # status  the node cache's entries of the caller's namespace
@@ -45,6 +47,7 @@ OPS = (
     "publish",
     "pull",
     "unpublish",
+    "evict",
     "restore",
     "mapped_failed",
     "reserve_pids",

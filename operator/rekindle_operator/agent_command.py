@@ -17,7 +17,6 @@ from rekindle_operator import admin_tls
 from rekindle_operator.quantity import gib_float
 from rekindle_operator.spec import IsvcSpec
 
-_RESTORE_POLICY = {"IfAvailable": "if-present", "Never": "never"}
 # Where spec.kvCache.sharedStore's volume is mounted in the pod (the same in every pod).
 KV_STORE_MOUNT = "/var/lib/rekindle/kv-store"
 
@@ -39,7 +38,9 @@ def agent_args(spec: IsvcSpec) -> AgentArgs:
         # The checkpoint to restore from comes by env from the restore pointer
         # (CHECKPOINT_ENV, with its signature), never through argv: a value that
         # starts with "-" would be read as a flag.
-        restore_policy=_RESTORE_POLICY[spec.restore_policy],
+        # spec.coldStart.restorePolicy reaches pods through the restore pointer alone
+        # (blank for Never, builders.build_configmap), not through argv: switching it
+        # applies to pods started from then on and restarts no serving replica.
         prefetch=spec.prefetch,
         keep_resident_mb=spec.keep_resident_bytes >> 20,
         # CRIU's CUDA plugin is only loaded from a directory given with -L: without

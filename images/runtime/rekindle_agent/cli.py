@@ -69,10 +69,11 @@ def remove_checkpoint(ns: argparse.Namespace) -> int:
 
     --from-store: the checkpoints are in the node agents' object store (this pod
     holds no credential for it): the node agent of this Job's node deletes them,
-    for this Job's namespace only.
+    for this Job's namespace only. --from-node-cache: only that node agent's cached
+    copies go (unless a replica there maps them); the published copies stay.
     """
-    if ns.from_store:
-        return _unpublish(ns.paths)
+    if ns.from_store or ns.from_node_cache:
+        return _ask_node_agent(ns.paths, evict=ns.from_node_cache)
     from rekindle_agent.mapped_files.immutable import remove_tree
 
     for path in ns.paths:
@@ -85,15 +86,16 @@ def remove_checkpoint(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _unpublish(names: list[str]) -> int:
+def _ask_node_agent(names: list[str], evict: bool) -> int:
     from rekindle_contract.pod import NODE_SOCKET_ENV, POD_UID_ENV
 
     from rekindle_agent.checkpointing.criu_backend import BackendError, NodeAgent
 
+    flag = "--from-node-cache" if evict else "--from-store"
     sock, uid = os.environ.get(NODE_SOCKET_ENV), os.environ.get(POD_UID_ENV)
     if not sock or not uid:
         print(
-            f"rekindle remove-checkpoint --from-store: {NODE_SOCKET_ENV} and {POD_UID_ENV} "
+            f"rekindle remove-checkpoint {flag}: {NODE_SOCKET_ENV} and {POD_UID_ENV} "
             "must be set (the node agent's socket volume and the pod's UID)",
             file=sys.stderr,
         )
@@ -101,11 +103,17 @@ def _unpublish(names: list[str]) -> int:
     node = NodeAgent(sock, uid)
     for name in names:
         try:
-            answer = node.unpublish(name)
+            answer = node.evict(name) if evict else node.unpublish(name)
         except BackendError as e:
             print(f"rekindle remove-checkpoint: {name}: {e}", file=sys.stderr)
             return 1
-        print(f"removed {name} from {answer.get('where')} ({answer.get('objects')} objects)")
+        if not evict:
+            print(f"removed {name} from {answer.get('where')} ({answer.get('objects')} objects)")
+        elif answer.get("held"):  # this node still holds it: say why, fail
+            print(f"rekindle remove-checkpoint: {name} kept: {answer.get('why')}", file=sys.stderr)
+            return 1
+        else:
+            print(f"{name}: {'evicted' if answer.get('evicted') else answer.get('why')}")
     return 0
 
 
@@ -130,6 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="the checkpoints (named by their directory) are in the node agents' object "
         "store: ask this node's agent to delete them",
+    )
+    rm.add_argument(
+        "--from-node-cache",
+        action="store_true",
+        help="drop only this node's cached copies (unless a replica here maps them); "
+        "the published copies stay",
     )
     rm.set_defaults(func=remove_checkpoint)
     fetch = sub.add_parser(

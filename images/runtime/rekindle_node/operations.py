@@ -118,6 +118,7 @@ class Operations:
             "publish": self.publish,
             "pull": self.pull,
             "unpublish": self.unpublish,
+            "evict": self.evict,
             "restore": self.restore,
             "mapped_failed": self.mapped_failed,
             "reserve_pids": self.reserve_pids,
@@ -358,6 +359,21 @@ class Operations:
         entry = self.cache.resolve(caller.container.namespace, _name_arg(req))
         dropped = self.cache.drop(entry) if entry else False
         return {"objects": removed, "where": str(loc), "cache_entry_removed": dropped}
+
+    def evict(self, caller: Caller, req: Request) -> dict[str, Any]:
+        """Drop this node's cached copy of the caller's namespace's checkpoint args.name,
+        unless a replica maps it: what the cache's budget does to an unused entry, on
+        request (a benchmark's node that must pull; an operator freeing a node's disk).
+        The published copy stays."""
+        entry = self.cache.resolve(caller.container.namespace, _name_arg(req))
+        if entry is None:
+            return {"evicted": False, "held": False, "why": "not in this node's cache"}
+        holders = self.cache.pinned_by(entry)
+        if holders:
+            why = f"mapped by {len(holders)} replica(s) on this node"
+            return {"evicted": False, "held": True, "why": why}
+        dropped = self.cache.drop(entry)
+        return {"evicted": dropped, "held": not dropped, "checkpoint": entry}
 
     def _store_location(self, caller: Caller, req: Request) -> object_copy.StoreLocation:
         """Where the caller's checkpoint args.name lives in the object store: below the

@@ -126,6 +126,10 @@ class CriuBackend:
         """A tree restored from ckpt with mapped memory died of SIGBUS (why)."""
         raise NotImplementedError
 
+    def evict(self, ckpt: str) -> dict[str, Any]:
+        """Have the node agent drop its cached copy of ckpt (unless a replica maps it)."""
+        return self._call("evict", {"name": ckpt}, timeout=60)
+
     def gpu_allocation(self) -> list[str] | None:
         """This container's GPUs as the kubelet allocated them, in its order; None when
         this backend cannot ask the kubelet (the environment is all there is)."""
@@ -378,6 +382,10 @@ class NodeAgent(CriuBackend):
     def unpublish(self, ckpt: str) -> dict[str, Any]:
         """Have the node agent delete the published copy of ckpt from its object store."""
         return self._call("unpublish", {"name": ckpt}, timeout=600)
+
+    def evict(self, ckpt: str) -> dict[str, Any]:
+        """Have the node agent drop its cached copy of ckpt (unless a replica maps it)."""
+        return self._call("evict", {"name": ckpt}, timeout=60)
 
     def gpu_allocation(self) -> list[str] | None:
         """The node agent's answer from the kubelet's PodResources API: under CDI

@@ -694,6 +694,7 @@ def build_cleanup_job(
     node: str = "",
     written_by_node_agent: bool = False,
     from_store: bool = False,
+    from_node_cache: bool = False,
 ) -> Obj:
     """A Job that deletes one checkpoint's data (deletionPolicy Delete).
 
@@ -708,6 +709,8 @@ def build_cleanup_job(
     from_store: the data is in the node agents' object store, which this Job
     cannot reach: it asks its node's agent (the node socket's emptyDir, as a
     serving pod does), which deletes only this namespace's checkpoints.
+    from_node_cache: only node's cached copy goes (its node agent asked the same
+    way; the published copy stays): the Job is bound to node.
     """
     if not path.startswith(CHECKPOINT_MOUNT + "/") or ".." in path.split("/"):
         raise ValueError(f"refusing to delete {path!r}: not below {CHECKPOINT_MOUNT}")
@@ -733,9 +736,10 @@ def build_cleanup_job(
         ],
         "volumes": [{**volume, "name": "checkpoints"}],
     }
-    if from_store:
+    if from_store or from_node_cache:
         container = pod_spec["containers"][0]
-        container["command"] = ["rekindle", "remove-checkpoint", "--from-store", path]
+        flag = "--from-node-cache" if from_node_cache else "--from-store"
+        container["command"] = ["rekindle", "remove-checkpoint", flag, path]
         container["securityContext"] = _cleanup_security(True)
         container["env"] = [
             {"name": NODE_SOCKET_ENV, "value": NODE_SOCKET},
@@ -743,6 +747,8 @@ def build_cleanup_job(
         ]
         container["volumeMounts"] = [{"name": NODE_SOCKET_VOLUME, "mountPath": NODE_SOCKET_DIR}]
         pod_spec["volumes"] = [{"name": NODE_SOCKET_VOLUME, "emptyDir": {}}]
+    if from_node_cache:
+        pod_spec["nodeName"] = node  # that node's cache: no scheduling, no cordon in the way
     if "hostPath" in volume and node and not from_store:
         pod_spec["affinity"] = {
             "nodeAffinity": {

@@ -73,9 +73,11 @@ def summarize(values: Sequence[float]) -> dict[str, float]:
     return out
 
 
-def summarize_trials(trials: Sequence[Trial]) -> dict[str, dict[str, dict[str, float]]]:
+def summarize_trials(
+    trials: Sequence[Trial], arms: Sequence[str] = ARMS
+) -> dict[str, dict[str, dict[str, float]]]:
     out: dict[str, dict[str, dict[str, float]]] = {}
-    for arm in ARMS:
+    for arm in arms:
         rows = [t for t in trials if t.arm == arm]
         for key, _, _ in _COLUMNS:
             values = [v for v in (getattr(t, key) for t in rows) if v is not None]
@@ -95,14 +97,15 @@ def table(summary: dict[str, dict[str, dict[str, float]]]) -> str:
             cells.append(f"{m['median']:.2f}s [{m['min']:.2f}-{m['max']:.2f}]" if m else "-")
         lines.append(f"{arm:<8} {n:>3}" + "".join(f" {c:>22}" for c in cells))
     naive = summary.get("naive", {}).get("first_token_s")
-    restore = summary.get("restore", {}).get("first_token_s")
-    if naive and restore:
-        speedup = naive["median"] / max(restore["median"], 1e-9)
-        lines.append(f"first-token speedup (median naive / median restore): {speedup:.1f}x")
+    for arm, s in summary.items():
+        other = s.get("first_token_s")
+        if naive and other and arm != "naive":
+            speedup = naive["median"] / max(other["median"], 1e-9)
+            lines.append(f"first-token speedup (median naive / median {arm}): {speedup:.1f}x")
     return "\n".join(lines)
 
 
-def plot(trials: Sequence[Trial], out: Path, title: str) -> None:
+def plot(trials: Sequence[Trial], out: Path, title: str, arms: Sequence[str] = ARMS) -> None:
     """One panel per metric: bars at the median, whiskers to min/max, dots for every trial."""
     import matplotlib
 
@@ -114,15 +117,15 @@ def plot(trials: Sequence[Trial], out: Path, title: str) -> None:
         1, len(metrics), figsize=(4.5 * len(metrics), 4), sharey=True, squeeze=False
     )
     for ax, (key, label) in zip(axes[0], metrics, strict=True):
-        arms = [a for a in ARMS if any(t.arm == a and getattr(t, key) is not None for t in trials)]
-        for i, arm in enumerate(arms):
+        shown = [a for a in arms if any(t.arm == a and getattr(t, key) is not None for t in trials)]
+        for i, arm in enumerate(shown):
             vals = [getattr(t, key) for t in trials if t.arm == arm and getattr(t, key) is not None]
             med = statistics.median(vals)
             ax.bar(i, med, color=("#999999" if arm == "naive" else "#d9772b"), width=0.6)
             ax.errorbar(i, med, yerr=[[med - min(vals)], [max(vals) - med]], color="k", capsize=6)
             ax.scatter([i] * len(vals), vals, color="k", s=10, zorder=3)
             ax.text(i, med, f" {med:.1f}s", va="bottom", ha="left")
-        ax.set_xticks(range(len(arms)), arms)
+        ax.set_xticks(range(len(shown)), shown)
         ax.set_title(label)
         ax.set_ylabel("seconds")
     fig.suptitle(title)
@@ -354,6 +357,7 @@ def environment(
     trials: Sequence[Trial],
     load_avg_at_start: tuple[float, float, float],
     started: float,
+    timing: str = TIMING,
 ) -> dict[str, Any]:
     """What these results depend on that the plugin can see (see the module's docstring)."""
     from rekindle_contract import __version__
@@ -362,12 +366,16 @@ def environment(
     return {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
         "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "timing": TIMING,
-        "node": _node_facts(kube, nodes[0]) if len(nodes) == 1 else {"names": nodes},
+        "timing": timing,
+        **(
+            {"node": _node_facts(kube, nodes[0])}
+            if len(nodes) == 1
+            else {"nodes": [_node_facts(kube, n) for n in nodes]}
+        ),
         "versions": {
             "kubectl_rekindle": __version__,
             "operator": _operator(kube),
-            "images": {arm: next((t.images for t in trials if t.arm == arm), {}) for arm in ARMS},
+            "images": {t.arm: t.images for t in trials},
         },
         "client": {
             "node": platform.node(),
@@ -379,5 +387,10 @@ def environment(
 
 
 def write_json(path: Path, trials: Sequence[Trial], meta: dict[str, Any]) -> None:
-    doc = {**meta, "summary": summarize_trials(trials), "trials": [asdict(t) for t in trials]}
+    arms = list(dict.fromkeys(t.arm for t in trials))
+    doc = {
+        **meta,
+        "summary": summarize_trials(trials, arms),
+        "trials": [asdict(t) for t in trials],
+    }
     path.write_text(json.dumps(doc, indent=2) + "\n")

@@ -14,6 +14,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -52,9 +53,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("name")
     s.add_argument("-o", "--output", choices=["text", "json"], default="text")
 
-    b = sub.add_parser("bench", help="cold start, scale 0->1: naive boot vs restore")
+    b = sub.add_parser(
+        "bench",
+        help="cold start, scale 0->1: naive boot vs restore; --scale-out: N -> N+1 on a "
+        "node that holds the checkpoint, on one that pulls it, and naive",
+    )
     b.add_argument("name")
     b.add_argument("--trials", type=_trials, default=3, help="trials per arm (>= 1)")
+    b.add_argument(
+        "--scale-out",
+        action="store_true",
+        help="N -> N+1 replicas, the new one steered by cordoning the other nodes until it "
+        "is bound (needs patch on nodes); needs storage type node with publish",
+    )
+    b.add_argument("--warm-node", help="--scale-out: a node whose cache holds the checkpoint")
+    b.add_argument("--cold-node", help="--scale-out: a node that must pull it (and boots naive)")
     b.add_argument("--json", type=Path, help="write results as JSON here")
     b.add_argument("--plot", type=Path, help="write a PNG plot here")
 
@@ -345,25 +358,43 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _progress(message: str) -> None:
+    print(message, flush=True)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from rekindle_operator import cluster_bench as bench
+    from rekindle_operator import scale_out_bench
 
     kube, ns = _kube(args), _namespace(args)
     started, load_start = time.time(), bench.client_load()
-    trials = bench.run(kube, ns, args.name, args.trials, progress=lambda m: print(m, flush=True))
-    summary = bench.summarize_trials(trials)
-    print(bench.table(summary))
+    trials: Sequence[bench.Trial]
+    if args.scale_out:
+        plan = scale_out_bench.plan(kube, ns, args.name, args.warm_node, args.cold_node)
+        print(
+            f"{args.name}: {plan.replicas} -> {plan.replicas + 1} replicas; cached on "
+            f"{plan.warm_node}, pull and naive on {plan.cold_node}",
+            flush=True,
+        )
+        trials = scale_out_bench.run(kube, plan, args.trials, _progress)
+        arms: Sequence[str] = scale_out_bench.ARMS
+        title = f"{args.name}: {plan.replicas} → {plan.replicas + 1} replicas"
+    else:
+        trials = bench.run(kube, ns, args.name, args.trials, progress=_progress)
+        arms, title = bench.ARMS, f"{args.name}: cold start, scale 0→1"
+    timing = scale_out_bench.TIMING if args.scale_out else bench.TIMING
+    print(bench.table(bench.summarize_trials(trials, arms)))
     meta = {
         "command": "kubectl rekindle " + " ".join(sys.argv[1:]),
         "inferenceService": args.name,
         "namespace": ns,
-        **bench.environment(kube, trials, load_start, started),
+        **bench.environment(kube, trials, load_start, started, timing),
     }
     if args.json:
         bench.write_json(args.json, trials, meta)
         print(f"wrote {args.json}")
     if args.plot:
-        bench.plot(trials, args.plot, f"{args.name}: cold start, scale 0→1 ({args.trials} trials)")
+        bench.plot(trials, args.plot, f"{title} ({args.trials} trials)", arms)
         print(f"wrote {args.plot}")
     return 0
 

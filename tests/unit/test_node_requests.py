@@ -85,8 +85,8 @@ def test_a_caller_that_is_no_pod_is_refused_before_its_request_is_parsed(tmp_pat
     [
         (
             b'{"op": "format", "pod_uid": "uid-a"}',
-            "op 'format': use one of dump, commit, open, mark_verified, publish, pull, unpublish, evict, "
-            "restore, mapped_failed, reserve_pids, status, devices",
+            "op 'format': use one of dump, commit, open, mark_verified, publish, pull, "
+            "unpublish, evict, restore, mapped_failed, reserve_pids, status, devices",
         ),
         (b'{"op": "dump"}', "pod_uid: the UID of the pod the request is about"),
         (b"[1]", "request is not a JSON object"),

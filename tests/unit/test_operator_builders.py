@@ -590,3 +590,19 @@ def test_without_admin_tls_the_admin_port_is_plain_http() -> None:
 def test_env_the_operator_manages_is_refused(name: str) -> None:
     with pytest.raises(SpecError, match=f"spec.env sets {name}"):
         tiny(env=[{"name": name, "value": "x"}])
+
+
+def test_a_node_cache_eviction_runs_on_that_node_without_any_privilege() -> None:
+    """kubectl rekindle bench --scale-out's Job: the named node's agent drops its copy."""
+    path = f"{CHECKPOINT_MOUNT}/c1-u1"
+    job = b.build_cleanup_job(
+        "ns", "c1", "u1", path, {}, "img", node="node-2", from_node_cache=True
+    )
+    pod = job["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["command"] == ["rekindle", "remove-checkpoint", "--from-node-cache", path]
+    assert pod["nodeName"] == "node-2" and "affinity" not in pod
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert c["securityContext"]["runAsNonRoot"] is True
+    assert [v["name"] for v in pod["volumes"]] == [c["volumeMounts"][0]["name"]]
+    assert "emptyDir" in pod["volumes"][0]

@@ -126,10 +126,6 @@ class CriuBackend:
         """A tree restored from ckpt with mapped memory died of SIGBUS (why)."""
         raise NotImplementedError
 
-    def evict(self, ckpt: str) -> dict[str, Any]:
-        """Have the node agent drop its cached copy of ckpt (unless a replica maps it)."""
-        return self._call("evict", {"name": ckpt}, timeout=60)
-
     def gpu_allocation(self) -> list[str] | None:
         """This container's GPUs as the kubelet allocated them, in its order; None when
         this backend cannot ask the kubelet (the environment is all there is)."""

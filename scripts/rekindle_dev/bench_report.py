@@ -74,7 +74,10 @@ SOURCES: dict[str, tuple[str, str]] = {
     "cluster": ("cluster/demo/bench.json", "DEMO_BENCH_OUT=docs/bench/cluster/demo make demo"),
     "cluster-up": ("cluster-up.json", "scripts/bench-cluster-up 5"),
     "node-agent": ("node-agent/results.json", "rekindle-dev bench node-agent --trials 5"),
-    "scale-out": ("scale-out/results.json", "rekindle-dev bench scale-out --trials 3"),
+    "scale-out": (
+        "scale-out/results.json",
+        "rekindle-dev bench scale-out --replicas 1 --trials 3",
+    ),
     "store": (
         "store/results.json",
         "rekindle-dev bench store --size-mib 1024 --trials 5 --threads 8 --out docs/bench/store",
@@ -913,13 +916,16 @@ The pod-level figures include the kubelet's 1 s readiness-probe period.
 
 SCALE_OUT_NOTE = """\
 The two-node local cluster, the tiny model, one InferenceService (storage `node`,
-published to SeaweedFS in the cluster), scaled 0 → 1 per trial (N = 0: the
-replica added is the only one). `cached`: the first node, whose cache holds the
-checkpoint, its files in the page cache; `pull`: the second node, its cache
-emptied just before, so its node agent pulls the checkpoint from the store (the
-store's files in the page cache) and verifies every byte before the restore;
-`naive`: restorePolicy Never, vLLM boots. Both nodes are this machine: the
-"network" of the pull is loopback, so it shows the pull's cost, not a network's.
+published to SeaweedFS in the cluster) serving N replicas on the first node; each
+trial adds one (`kubectl rekindle bench --scale-out`, its new pod steered by
+cordoning the other node until it is bound, its first token asked of that pod) and
+removes it again. `cached`: the new replica on the first node, whose cache holds
+the checkpoint, its files in the page cache; `pull`: on the second node, whose
+node agent dropped its copy just before (a Job asks it), so it pulls the
+checkpoint from the store (the store's files in the page cache) and verifies
+every byte before the restore; `naive`: restorePolicy Never on the second node,
+vLLM boots. Both nodes are this machine: the "network" of the pull is loopback,
+so it shows the pull's cost, not a network's.
 
 """
 

@@ -1,25 +1,25 @@
-"""`rekindle-dev bench scale-out`: a new replica on a warm node, on a node that must pull
-the checkpoint, and a naive boot (the two-node local cluster, the tiny model).
+"""`rekindle-dev bench scale-out`: a service at N replicas gets one more, on a warm node,
+on a node that must pull the checkpoint, and by a naive boot (the two-node local
+cluster, the tiny model): the setup around `kubectl rekindle bench --scale-out`.
 
 One InferenceService (storage `node`, published to the object store: SeaweedFS in
-the cluster) is booted and checkpointed on the first node. Then every trial scales
-it 0 -> 1 and times it as `kubectl rekindle bench` does (scale request to pod
-Ready and to the first token through the Service; agent start to Ready on the
-agent's clock), three arms, their order rotating per trial:
+the cluster) is booted and checkpointed on the first node and scaled to N there.
+Then every trial runs the plugin's scale-out trial for each arm (their order
+rotating per trial; rekindle_operator.scale_out_bench says what it times):
 
-  cached  the replica goes to the first node (the second cordoned), whose cache holds
-          the checkpoint (its files read whole just before: warm)
-  pull    the replica goes to the second node (the first cordoned), whose cache was
-          emptied just before: its node agent pulls the checkpoint from the object
-          store (the store's files read whole just before: warm) and verifies it
-  naive   the first node, restorePolicy Never: vLLM boots (the image's files warm
+  cached  the new replica on the first node, whose cache holds the checkpoint (its
+          files read whole just before: warm)
+  pull    the new replica on the second node, whose node agent dropped its copy just
+          before (a Job asks it): it pulls the checkpoint from the object store (the
+          store's files read whole just before: warm) and verifies it
+  naive   the second node, restorePolicy Never: vLLM boots (the image's files warm
           from the previous arms, as for every arm)
 
 The residency of the checkpoint files each arm reads is recorded before its trial.
-Needs `scripts/local-cluster up --nodes 2` and `make images` (root: it reads and
-empties the nodes' caches on this machine).
+Needs `scripts/local-cluster up --nodes 2` and `make images` (root: it reads the
+nodes' caches and the store's files on this machine to warm them).
 
-    rekindle-dev bench scale-out --trials 3 --out docs/bench/scale-out
+    rekindle-dev bench scale-out --replicas 1 --trials 3 --out docs/bench/scale-out
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from rekindle_operator import cluster_bench
+from rekindle_operator import scale_out_bench
 from rekindle_operator.kube import Kube, load_configuration
 from rekindle_store.s3 import Credentials
 
@@ -62,6 +62,7 @@ def log(msg: str) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trials", type=int, default=3, help="trials per arm (median of these)")
+    p.add_argument("--replicas", type=int, default=1, help="N: replicas serving before each")
     p.add_argument("--out", default="docs/bench/scale-out")
 
 
@@ -116,13 +117,6 @@ def entries(state: str, node: str) -> Path:
     return Path(state.replace(NODE_LOCAL, local, 1)) / "cache" / "entries"
 
 
-def empty_cache(state: str, node: str) -> None:
-    for e in entries(state, node).iterdir():
-        for d, _sub, _files in os.walk(e):
-            os.chmod(d, 0o700)
-        shutil.rmtree(e)
-
-
 def run(args: argparse.Namespace) -> int:
     if os.geteuid() != 0:
         raise SystemExit("rekindle-dev bench scale-out: run as root (it empties a node's cache)")
@@ -155,28 +149,18 @@ def run(args: argparse.Namespace) -> int:
         service(ns)
         ck = na.checkpoint(kube, ns)
         log(f"checkpoint {ck['path']} on {ck.get('node')}, published to {endpoint}")
+        na.kubectl("scale", f"rkis/{NAME}", "-n", ns, f"--replicas={args.replicas}")
+        na.wait(f"{args.replicas} replicas Ready", lambda: _ready(kube, ns, args.replicas), 600)
+        na.kubectl("uncordon", NODE2)
+        plan = scale_out_bench.plan(kube, ns, NAME, NODE1, NODE2)
         for i in range(args.trials):
-            order = ARMS[i % 3 :] + ARMS[: i % 3]
-            for arm in order:
-                res: dict[str, Any] = {}
-
-                def prepare(arm: str = arm, res: dict[str, Any] = res) -> None:
-                    if arm == "pull":
-                        only(NODE2)
-                        empty_cache(state, NODE2)
-                        na.read_all(s3_data)
-                        res.update(na.residency(s3_data))
-                    else:
-                        only(NODE1)
-                        na.read_all(entries(state, NODE1))
-                        res.update(na.residency(entries(state, NODE1)))
-
-                t = cluster_bench.one_trial(
-                    kube, ns, NAME, NAME, "naive" if arm == "naive" else "restore", i,
-                    before_start=prepare,
-                )  # fmt: skip
-                path = _path(kube, ns)
-                trials.append({**asdict(t), "arm": arm, "path": path, "residency": res})
+            for arm in ARMS[i % 3 :] + ARMS[: i % 3]:
+                warm = s3_data if arm == "pull" else entries(state, NODE1)
+                na.read_all(warm)
+                res = na.residency(warm)
+                t = scale_out_bench.one_trial(kube, plan, arm, i, log)
+                path = _path(kube, ns, t.pod)
+                trials.append({**asdict(t), "path": path, "residency": res})
                 log(
                     f"[{arm} {i + 1}/{args.trials}] on {t.node}: first token "
                     f"{t.first_token_s:.2f}s, pod ready {t.ready_s:.2f}s ({path}), "
@@ -219,7 +203,8 @@ def run(args: argparse.Namespace) -> int:
             "pull": "a node whose cache was emptied: pulled from the object store, verified",
             "naive": "restorePolicy Never: vLLM boots",
         },
-        "timing": cluster_bench.TIMING,
+        "replicas": args.replicas,
+        "timing": scale_out_bench.TIMING,
         "trials": trials,
         "summary": summarize(trials),
     }
@@ -230,13 +215,21 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _path(kube: Kube, ns: str) -> str:
-    """How the replica came up, as its InferenceService's status says (bounded wait)."""
+def _ready(kube: Kube, ns: str, n: int) -> bool:
+    st = (kube.get("InferenceService", ns, NAME) or {}).get("status") or {}
+    pods = st.get("pods") or []
+    return len(pods) == n and all(p.get("ready") for p in pods)
+
+
+def _path(kube: Kube, ns: str, pod: str) -> str:
+    """How that replica came up, as its InferenceService's status says (bounded wait:
+    the pod is gone by now, so the last status that named it)."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         pods = ((kube.get("InferenceService", ns, NAME) or {}).get("status") or {}).get("pods")
-        if pods and pods[0].get("coldStartPath"):
-            return str(pods[0]["coldStartPath"])
+        for p in pods or []:
+            if p.get("name") == pod and p.get("coldStartPath"):
+                return str(p["coldStartPath"])
         time.sleep(1)
     return ""
 
@@ -255,6 +248,7 @@ def summarize(trials: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 
 def markdown(doc: dict[str, Any]) -> str:
     s = doc["summary"]
+    n = doc.get("replicas", 0)
     naive = s.get("naive", {}).get("first_token_s")
     rows = []
     for arm in ARMS:
@@ -273,7 +267,7 @@ def markdown(doc: dict[str, Any]) -> str:
         )
     head = (
         f"Commit {doc['commit']}, {doc['date']}, {doc['host'].get('cpus')} CPUs; command: "
-        f"`{doc['command']}`.\n\nScale 0 → 1, seconds, median (per trial, in order); the "
+        f"`{doc['command']}`.\n\nScale {n} → {n + 1}, seconds, median (per trial, in order); the "
         "arms' order rotates per trial. Targets (issue 24): cached at least 10x faster than "
         "naive, pull at least 5x.\n\n"
     )
@@ -300,6 +294,7 @@ def plot(doc: dict[str, Any], out: Path) -> None:
             ax.scatter([i] * len(per), per, alpha=0.6)
             ax.hlines(statistics.median(per), i - 0.25, i + 0.25, color="black")
     ax.set_xticks(range(len(ARMS)), ARMS)
-    ax.set_ylabel("scale 0→1 → first token, s (lower is better)")
+    n = doc.get("replicas", 0)
+    ax.set_ylabel(f"scale {n}→{n + 1} → first token, s (lower is better)")
     ax.set_ylim(bottom=0)
     save_figure(fig, out, "A new replica: warm node, pulling node, naive boot")

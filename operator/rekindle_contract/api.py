@@ -41,6 +41,9 @@ PATH_HEALTHZ = "/healthz"
 PATH_READYZ = "/readyz"
 PATH_STATUS = "/v1/status"
 PATH_CHECKPOINT = "/v1/checkpoint"
+# POST {"dir": a checkpoint directly below the checkpoint root}: this node's agent pulls
+# it into its verified cache in the background (202; 409 where storage is not node).
+PATH_PREWARM = "/v1/prewarm"
 PATH_METRICS = "/metrics"
 
 State = Literal["Booting", "Ready", "Draining", "Checkpointing", "Restoring", "Failed"]
@@ -360,6 +363,11 @@ class AgentClient:
         """Drain, dump, verify by restoring; returns the manifest. Blocks until done."""
         body: CheckpointRequest = {"dir": directory}
         out: Manifest = self._call("POST", PATH_CHECKPOINT, body, timeout=timeout)
+        return out
+
+    def prewarm(self, directory: str) -> dict[str, Any]:
+        """Have this pod's node cache the checkpoint directory names (answers at once)."""
+        out: dict[str, Any] = self._call("POST", PATH_PREWARM, {"dir": directory})
         return out
 
     def ready(self) -> bool:

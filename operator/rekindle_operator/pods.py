@@ -49,6 +49,8 @@ class Agent(Protocol):
 
     def checkpoint(self, directory: str, timeout: float = ...) -> Manifest: ...
 
+    def prewarm(self, directory: str) -> dict[str, Any]: ...
+
 
 @dataclass(frozen=True)
 class AgentTLS:
@@ -150,6 +152,8 @@ class Agents:
         self._secrets = secrets  # None: a Kube of its own, made when a pod needs a CA
         self._calls: dict[str, CheckpointCall] = {}
         self._lock = threading.Lock()
+        # (pod UID, checkpoint path) already asked to pre-warm: each pod is asked once.
+        self._prewarmed: set[tuple[str, str]] = set()
 
     def client(self, pod: Body, token: str, tls_required: bool = False) -> Agent:
         """A client of pod's agent: HTTPS verified with its Secret's ca.crt when the pod was
@@ -179,6 +183,23 @@ class Agents:
     def status(self, pod: Body, token: str, tls_required: bool = False) -> StatusReply:
         """GET /v1/status of pod's agent; raises if it does not answer."""
         return self.client(pod, token, tls_required).status()
+
+    def prewarm_once(self, pod: Body, token: str, path: str, tls_required: bool = False) -> bool:
+        """Ask pod's agent to have its node cache path, unless that pod was asked already;
+        whether it was asked now (a refusal or no answer is logged: pre-warming only
+        saves a later pull, never decides anything)."""
+        key = (str(pod["metadata"].get("uid", "")), path)
+        with self._lock:
+            if key in self._prewarmed:
+                return False
+            self._prewarmed.add(key)
+        try:
+            answer = self.client(pod, token, tls_required).prewarm(path)
+        except Exception as e:
+            log.info("pod %s: pre-warm of %s not started: %s", pod["metadata"]["name"], path, e)
+            return False
+        log.info("pod %s pre-warms %s on its node: %s", pod["metadata"]["name"], path, answer)
+        return True
 
     def ask_status(
         self, pod: Body, token: str, tls_required: bool = False

@@ -340,6 +340,8 @@ def reconcile(
     nodes: set[str] = set()
     pods = observe_pods(kube, spec, agents, nodes) if deployment else ()
     record_cached_nodes(kube, spec, checkpoints, in_use, pods)
+    if settings.prewarm:
+        prewarm_nodes(kube, spec, checkpoints, in_use, pods, agents)
     obs = Observed(
         spec_replicas=spec.replicas,
         deployment=deployment,
@@ -395,6 +397,42 @@ def record_cached_nodes(
             )
         except KubeError as e:  # placement only: the next pass retries
             log.warning("Checkpoint %s: cachedNodes not recorded: %s", in_use, e)
+
+
+def prewarm_nodes(
+    kube: Kube,
+    spec: IsvcSpec,
+    checkpoints: list[dict[str, Any]],
+    in_use: str | None,
+    pods: tuple[PodBoot, ...],
+    agents: Agents,
+) -> None:
+    """Ask one Ready replica on each node that does not hold the checkpoint in use (not
+    made there, no replica there restored from it) to have its node agent pull it, so
+    the next replica there restores from the node's cache. Each pod is asked once per
+    checkpoint (Agents.prewarm_once); the pull runs in the background on that node."""
+    published = spec.storage.publish in ("objectStore", "pvc")
+    if not in_use or spec.storage.type != "node" or not published:
+        return
+    ckpt = next((c for c in checkpoints if c["metadata"]["name"] == in_use), None)
+    st = (ckpt or {}).get("status") or {}
+    path = st.get("path")
+    if not path:
+        return
+    holding = {st.get("node")} | {
+        p.node for p in pods if p.origin == "restored" and p.checkpoint == path
+    }
+    asked: dict[str, str] = {}  # node -> the pod asked there
+    for p in pods:
+        if p.ready and p.node and p.node not in holding:
+            asked.setdefault(p.node, p.name)
+    if not asked:
+        return
+    token = read_token(kube, spec.namespace, spec.name)
+    bodies = {x["metadata"]["name"]: x for x in service_pods(kube, spec.namespace, spec.name)}
+    for name in asked.values():
+        if name in bodies:
+            agents.prewarm_once(bodies[name], token, path, spec.admin_tls is not None)
 
 
 def release_gated(kube: Kube, spec: IsvcSpec) -> None:

@@ -18,6 +18,10 @@ create its cleanup Job before its finalizer is dropped with a Warning Event
 REKINDLE_WARM_PLACEMENT: `false` creates the pods of node-local storage without
 the placement gate (placement.py): they schedule without the operator, where
 the scheduler puts them. Default true.
+
+REKINDLE_PREWARM: `false` stops the operator asking one replica per node to have
+its node agent pull the checkpoint in use (services of storage type node that
+publish): new replicas there then pull it when they start. Default true.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ class Settings:
     operator_labels: dict[str, str] = field(default_factory=dict)
     delete_timeout_s: float = DEFAULT_DELETE_TIMEOUT_S
     warm_placement: bool = True
+    prewarm: bool = True
 
     @property
     def network_policy(self) -> bool:
@@ -64,4 +69,5 @@ def from_env(env: dict[str, str] | None = None) -> Settings:
         operator_labels=labels,
         delete_timeout_s=float(e.get("REKINDLE_DELETE_TIMEOUT") or DEFAULT_DELETE_TIMEOUT_S),
         warm_placement=e.get("REKINDLE_WARM_PLACEMENT", "true").strip().lower() != "false",
+        prewarm=e.get("REKINDLE_PREWARM", "true").strip().lower() != "false",
     )

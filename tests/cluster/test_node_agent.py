@@ -730,6 +730,13 @@ def test_a_checkpoint_made_on_one_node_restores_on_another_through_the_object_st
             assert _preferred(pod) == [NODE1, NODE2]  # both warm when it was created
         finally:
             s3.scale(1)
+        # Pre-warming: the operator asked that booted replica (its node does not hold the
+        # checkpoint in use) to have its node agent pull it; the pull waited for the store
+        # to come back. The next replica there restores from the node's cache, no pull.
+        wait_until("the second node pre-warmed", lambda: bool(_entries(node_agent, NODE2)), 180)
+        obj = _restart(ns, "restored", name)
+        pod_status = obj["status"]["pods"][0]
+        assert (pod_status["node"], pod_status["coldStartPath"]) == (NODE2, "restore")
     finally:
         kubectl("uncordon", NODE1)
 

@@ -13,13 +13,14 @@ import yaml
 from rekindle_contract.vllm_argv import MM_AUTO_ENV, takes_images
 from rekindle_operator import builders as b
 from rekindle_operator import pod_template as pt
+from rekindle_operator import reconcile
 from rekindle_operator.constants import NAME_LABEL, SERVING_LABEL
 from rekindle_operator.kubectl_plugin import format_status
 from rekindle_operator.quantity import mib_str, to_bytes
 from rekindle_operator.shm_sizing import effective_shm_bytes, shm_need
 from rekindle_operator.spec import MANAGED_ENV, IsvcSpec, SpecError, parse_spec
 from rekindle_operator.spec_fingerprint import spec_fingerprint
-from rekindle_operator.status import Observed, compute_status, pod_boot, pod_problem
+from rekindle_operator.status import Observed, PodBoot, compute_status, pod_boot, pod_problem
 
 REPO = Path(__file__).resolve().parents[2]
 CRD = REPO / "charts" / "rekindle" / "files" / "crds" / "inferenceservices.rekindle.dev.yaml"
@@ -590,3 +591,54 @@ def test_a_pod_whose_terms_the_apiserver_refuses_is_released_without_them() -> N
     said = release_pod(api, pod)  # type: ignore[arg-type]
     assert said.startswith("released without placement terms (Pod is invalid")
     assert api.patches[-1] == {"spec": {"schedulingGates": []}}
+
+
+# --- pre-warming -----------------------------------------------------------------
+
+
+class AskedAgents:
+    """Records whom the operator asks to pre-warm (the agent's side: test_agent_prewarm)."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[str, str]] = []
+
+    def prewarm_once(self, pod: dict[str, Any], token: str, path: str, tls: bool) -> bool:
+        self.asked.append((pod["metadata"]["name"], path))
+        return True
+
+
+def _boot(name: str, node: str, ready: bool, origin: str, path: str | None) -> PodBoot:
+    return PodBoot(name, ready, origin, "", path, None, node=node)
+
+
+@pytest.mark.parametrize(
+    ("storage", "want"),
+    [
+        ({"type": "node", "node": {"publish": "objectStore"}}, ["p3"]),
+        ({"type": "node", "node": {"publish": "pvc"}, "pvc": {"existingClaim": "c"}}, ["p3"]),
+        ({"type": "node"}, []),  # nothing published: nowhere to pull from
+        ({"type": "hostPath", "hostPath": {"path": "/d"}}, []),
+    ],
+)
+def test_one_ready_replica_per_node_without_the_checkpoint_is_asked_to_prewarm(
+    monkeypatch: pytest.MonkeyPatch, storage: dict[str, Any], want: list[str]
+) -> None:
+    path = "/var/lib/rekindle/checkpoints/ck-1"
+    ck = {"metadata": {"name": "ck"}, "status": {"path": path, "node": "a"}}
+    pods = (
+        _boot("p1", "a", True, "booted", path),  # where it was made
+        _boot("p2", "b", True, "restored", path),  # b's cache holds it (mapped)
+        _boot("p3", "c", True, "booted", path),
+        _boot("p4", "c", True, "booted", path),  # c asked once, through p3
+        _boot("p5", "d", False, "booted", path),  # not Ready: not asked
+    )
+    monkeypatch.setattr(reconcile, "read_token", lambda *_: "token")
+    monkeypatch.setattr(
+        reconcile,
+        "service_pods",
+        lambda *_: [{"metadata": {"name": p.name, "uid": p.name}} for p in pods],
+    )
+    agents = AskedAgents()
+    s = spec(coldStart={"storage": storage})
+    reconcile.prewarm_nodes(None, s, [ck], "ck", pods, agents)  # type: ignore[arg-type]
+    assert agents.asked == [(name, path) for name in want]

@@ -44,6 +44,7 @@ from rekindle_agent.metrics import Metrics
 from rekindle_agent.process_tree import proctree, reaper, shm_files
 from rekindle_agent.restoring import restore
 from rekindle_agent.restoring.early import EarlyStart
+from rekindle_agent.restoring.prewarm import Prewarmer
 from rekindle_agent.state import Status
 from rekindle_agent.supervision.vllm_control import VllmControl
 from rekindle_agent.supervision.vllm_launch import VLLM_HOST, vllm_command
@@ -91,6 +92,7 @@ class Agent:
             if cfg.node_socket
             else InPod(cfg.criu)
         )
+        self.prewarmer = Prewarmer(self.backend)
         if not self.backend.agent_signs:
             # The node agent signs with its own key and verifies into its cache; the
             # agent reads the verified copy through the descriptor the node agent gives.

@@ -131,6 +131,18 @@ class CriuBackend:
         this backend cannot ask the kubelet (the environment is all there is)."""
         return None
 
+    def can_prewarm(self, ckpt: Path) -> bool:
+        """Whether prewarm(ckpt) has somewhere to pull ckpt from."""
+        return False
+
+    def prewarm(self, ckpt: Path) -> dict[str, Any]:
+        """Put ckpt into this node's verified cache ahead of a restore that needs it."""
+        raise BackendError(
+            "unsupported",
+            "pre-warming needs storage type node with a published checkpoint "
+            "(spec.coldStart.storage.node.publish)",
+        )
+
 
 def _log_tail(log_file: str) -> str:
     """The end of a CRIU log that says why it failed ("" if unreadable)."""
@@ -310,6 +322,15 @@ class NodeAgent(CriuBackend):
         fd = int(answer["_fd"])
         self._open[str(ckpt)] = fd
         return Path(f"/proc/{os.getpid()}/fd/{fd}")
+
+    def can_prewarm(self, ckpt: Path) -> bool:
+        return self._pullable(ckpt)
+
+    def prewarm(self, ckpt: Path) -> dict[str, Any]:
+        """The node agent's pull: a no-op where its cache holds ckpt already."""
+        if not self._pullable(ckpt):
+            return super().prewarm(ckpt)
+        return self._call("pull", {"name": str(ckpt), **self._where(ckpt)})
 
     def _pullable(self, ckpt: Path) -> bool:
         return self.store or (self.publish and ckpt.is_dir())

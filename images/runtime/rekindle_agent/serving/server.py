@@ -20,10 +20,12 @@ import contextlib
 import json
 import logging
 import os
+import posixpath
 import signal
 import ssl
 import subprocess
 import threading
+from pathlib import Path
 from typing import Any, cast
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
@@ -507,6 +509,35 @@ async def post_checkpoint(request: web.Request) -> web.Response:
         agent.flow_lock.release()
 
 
+async def post_prewarm(request: web.Request) -> web.Response:
+    """Start pulling a checkpoint into this node's cache (restoring/prewarm.py)."""
+    agent = request.app[AGENT_KEY]
+    try:
+        data = await request.json()
+        target = str(data.get("dir", ""))
+    except (json.JSONDecodeError, AttributeError) as e:
+        return web.json_response({"error": f"bad request: {e}"}, status=400)
+    root = posixpath.normpath(agent.cfg.checkpoint_root or "/")
+    if (
+        not target.startswith("/")
+        or posixpath.normpath(target) != target
+        or posixpath.dirname(target) != root
+    ):
+        why = f"'dir' must be a directory directly below the checkpoint root {root}"
+        return web.json_response({"error": why}, status=400)
+    if not agent.prewarmer.supported(Path(target)):
+        return web.json_response(
+            {
+                "error": "pre-warming needs storage type node with a published checkpoint "
+                "(spec.coldStart.storage.node.publish)"
+            },
+            status=409,
+        )
+    started, state = agent.prewarmer.request(Path(target))
+    body = {"started": started, "checkpoint": state.checkpoint, "state": state.state}
+    return web.json_response(body, status=202)
+
+
 def admin_app(
     agent: Agent, proxy: Proxy, lock: residency.ResidentLock | None = None
 ) -> web.Application:
@@ -519,6 +550,7 @@ def admin_app(
     app.router.add_get(api.PATH_STATUS, status)
     app.router.add_get(api.PATH_METRICS, metrics)
     app.router.add_post(api.PATH_CHECKPOINT, post_checkpoint)
+    app.router.add_post(api.PATH_PREWARM, post_prewarm)
     return app
 
 

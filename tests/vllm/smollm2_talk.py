@@ -53,6 +53,8 @@ class Turn:
     output_ids: list[int] = field(default_factory=list)
     queries: int = 0  # tokens looked up in the prefix cache by this request
     hits: int = 0  # tokens found there
+    # Per output token, the two likeliest candidates (token text, logprob), likeliest first.
+    top2: list[list[tuple[str, float]]] = field(default_factory=list)
 
 
 def vllm_counters(agent: AgentProc) -> dict[str, int]:
@@ -108,6 +110,8 @@ def chat(agent: AgentProc, messages: list[dict[str, str]]) -> Turn:
         "max_tokens": CHAT_MAX_TOKENS,
         "temperature": 0,
         "return_token_ids": True,
+        "logprobs": True,
+        "top_logprobs": 2,
     }
     status, text = agent.request("POST", "/v1/chat/completions", body, timeout=300)
     assert status == 200, text
@@ -120,7 +124,35 @@ def chat(agent: AgentProc, messages: list[dict[str, str]]) -> Turn:
         output_ids=list(doc["choices"][0]["token_ids"]),
         queries=c1["queries"] - c0["queries"],
         hits=c1["hits"] - c0["hits"],
+        top2=[
+            [(str(c["token"]), float(c["logprob"])) for c in pos["top_logprobs"][:2]]
+            for pos in (doc["choices"][0].get("logprobs") or {}).get("content") or []
+        ],
     )
+
+
+# Two greedy runs that compute the same logits in another order (a prefix served from the
+# KV cache vs computed again) may pick different tokens where the two likeliest are this
+# close (bf16 logits): a tie broken by rounding, not a different answer.
+NEAR_TIE = 0.1
+
+
+def same_greedy_answer(a: Turn, b: Turn) -> str | None:
+    """None when b's tokens are a's, or differ first where both runs had the same two
+    likeliest tokens within NEAR_TIE of each other, each picking the other's second;
+    else what differs (the comparison ends at the first difference: after it the two
+    continue from different text)."""
+    for k, (x, y) in enumerate(zip(a.output_ids, b.output_ids, strict=False)):
+        if x == y:
+            continue
+        ta, tb = a.top2[k], b.top2[k]
+        near = all(len(t) == 2 and t[0][1] - t[1][1] < NEAR_TIE for t in (ta, tb))
+        if near and ta[0][0] == tb[1][0] and ta[1][0] == tb[0][0]:
+            return None
+        return f"token {k}: {x} vs {y}, candidates {ta} vs {tb}"
+    if len(a.output_ids) != len(b.output_ids):
+        return f"{len(a.output_ids)} vs {len(b.output_ids)} tokens"
+    return None
 
 
 def conversation(agent: AgentProc) -> list[Turn]:

@@ -11,7 +11,9 @@ proves, with vLLM's own counters (`vllm:prefix_cache_queries` and
   of a fresh server hits nothing;
 - greedy answers are the same with prefix caching on and off (the second
   server gets `--no-enable-prefix-caching` through the operator's path: the
-  agent's prefix_caching setting, turned into vLLM flags by vllm_argv), and
+  agent's prefix_caching setting, turned into vLLM flags by vllm_argv), a near
+  tie of the two likeliest tokens broken the other way aside (bf16 logits
+  computed in another order: smollm2_talk.same_greedy_answer), and
   with it off nothing is looked up or reused;
 - after a checkpoint and a restore the cache starts empty (the KV cache is
   released before the dump and the agent resets the prefix cache when it
@@ -36,6 +38,7 @@ from tests.vllm.smollm2_talk import (
     counters_after,
     expected_hits,
     replay,
+    same_greedy_answer,
     vllm_counters,
 )
 
@@ -77,8 +80,10 @@ def test_answers_identical_without_prefix_caching(
     assert (c1["queries"], c1["hits"]) == (c0["queries"], c0["hits"]), (c0, c1)
     assert [(t.queries, t.hits) for t in plain] == [(0, 0)] * len(turns)
     assert [t.prompt_ids for t in plain] == [t.prompt_ids for t in turns]
-    assert [t.output_ids for t in plain] == [t.output_ids for t in turns]
-    assert [t.answer for t in plain] == [t.answer for t in turns]
+    # The same greedy answers, a near tie broken the other way aside (same_greedy_answer).
+    pairs = zip(turns, plain, strict=True)
+    differ = [(i, same_greedy_answer(t, p)) for i, (t, p) in enumerate(pairs)]
+    assert [d for d in differ if d[1] is not None] == [], differ
 
 
 @pytest.mark.criu

@@ -6,7 +6,8 @@ half of every sharded weight, talking over shared-memory message queues in
 /dev/shm and a gloo process group. One boot through the agent (its checkpoint
 includes the agent's proving restore), then a restore in a fresh namespace
 like a new pod: both workers must come back with bit-identical weights, greedy
-answers must match the booted server's (one by one and as a concurrent batch),
+answers must match the booted server's one by one, a concurrent batch must be
+answered whole (its text depends on how requests share steps: Served.same_as),
 and /dev/shm must stay within what the operator budgets for TP=2.
 
 Which all-reduce the ranks use is asserted from the log, against what the
@@ -68,11 +69,19 @@ def shm_allreduce_built() -> bool:
 
 @dataclass
 class Served:
-    """What one server said and held: the oracle is equality."""
+    """What one server said and held."""
 
     sequential: list[str] = field(default_factory=list)
     batch: list[str] = field(default_factory=list)
     digests: list[dict[str, str]] = field(default_factory=list)  # per rank
+
+    def same_as(self, other: Served) -> bool:
+        """The oracle: the same weights, bit for bit, and the same greedy answers one by
+        one; a concurrent batch must be answered, whole, but its text is not compared:
+        vLLM's CPU GEMMs are not batch-invariant, and which requests share a step depends
+        on when they arrive (on AVX-512 this random model's near ties flip with it)."""
+        answered = len(other.batch) == len(BATCH) and all(other.batch)
+        return answered and (self.sequential, self.digests) == (other.sequential, other.digests)
 
 
 def ask(agent: AgentProc, factory: AgentFactory) -> Served:
@@ -160,7 +169,8 @@ def test_tp2_checkpoint_restore_same_answers(factory: AgentFactory) -> None:
         ckpt = factory.checkpoints / "tp2"
         manifest = agent.client.checkpoint(str(ckpt), timeout=900)
         assert agent.wait_ready(120).origin == "restored"
-        assert ask(agent, factory) == before  # the agent's proving restore
+        proved = ask(agent, factory)  # after the agent's proving restore
+        assert before.same_as(proved), (before, proved)
     except BaseException:
         print(agent.tail(200))
         raise
@@ -170,7 +180,7 @@ def test_tp2_checkpoint_restore_same_answers(factory: AgentFactory) -> None:
     ranks = sorted(f["path"] for f in manifest["files"] if f["path"].startswith("weights/"))
     assert any("rank0" in p for p in ranks) and any("rank1" in p for p in ranks), ranks
     assert len(set(before.sequential)) > 1, before  # the prompts give different answers
-    assert before.batch[: len(PROMPTS)] == before.sequential
+    assert len(before.batch) == len(BATCH) and all(before.batch), before  # (Served.same_as)
     assert before.digests[0] != before.digests[1]  # each rank holds its own shard
     # Shared-memory all-reduce where vLLM's kernels have it, else every rank says gloo.
     shm_on = shm_built.result(300)
@@ -195,7 +205,7 @@ def test_tp2_checkpoint_restore_same_answers(factory: AgentFactory) -> None:
     finally:
         agent.stop()
     assert after.digests == before.digests  # both ranks reloaded bit for bit
-    assert after == before
+    assert before.same_as(after), (before, after)
     assert SHM_OFF not in restored_log  # restored ranks keep their communicator: no new setup
     print(f"/dev/shm restored: apparent {restored_shm[0]}, allocated {restored_shm[1]}")
     assert restored_shm[0] <= budget and restored_shm[1] <= budget, (restored_shm, budget)

@@ -459,9 +459,16 @@ def _evict(node_agent: str, node: str = NODE1) -> None:
         shutil.rmtree(entry)
 
 
-def _entries(node_agent: str, node: str = NODE1) -> list[Path]:
-    """The checkpoints in that node's verified cache."""
-    return list((_state_dir(node_agent, node) / "cache" / "entries").iterdir())
+def _entries(node_agent: str, node: str = NODE1, name: str | None = None) -> list[Path]:
+    """The checkpoints in that node's verified cache (name: only that checkpoint's)."""
+    entries = list((_state_dir(node_agent, node) / "cache" / "entries").iterdir())
+    if name is None:
+        return entries
+    return [
+        e
+        for e in entries
+        if json.loads((e / "manifest.json").read_bytes())["identity"]["name"] == name
+    ]
 
 
 @pytest.fixture
@@ -591,7 +598,7 @@ def test_a_node_mode_service_boots_checkpoints_and_restores_unprivileged(
         NODE2,
         "restoreAfterPull",
     ), obj["status"]["pods"]
-    (entry,) = _entries(node_agent, NODE2)
+    (entry,) = _entries(node_agent, NODE2, done["status"]["path"])
     record = json.loads((entry / ".entry.json").read_bytes())
     assert record["source"] == f"pod:{done['status']['path']}", record
     wait_until("the Service to accept connections", lambda: accepts(url), 60)
@@ -678,7 +685,8 @@ def test_a_checkpoint_made_on_one_node_restores_on_another_through_the_object_st
     assert set(keys) == {prefix + "manifest.json"} | {
         f"{prefix}data/{f['path']}" for f in manifest["files"]
     }
-    assert _entries(node_agent, NODE2) == []
+    path = done["status"]["path"]
+    assert _entries(node_agent, NODE2, path) == []
 
     # The next replica on the second node: pulled, checked, restored, the same answers.
     kubectl("cordon", NODE1)
@@ -700,7 +708,7 @@ def test_a_checkpoint_made_on_one_node_restores_on_another_through_the_object_st
                 "coldStartSeconds": {"restoreAfterPull": pod_status["coldStartSeconds"]},
             }
         ]
-        (entry,) = _entries(node_agent, NODE2)
+        (entry,) = _entries(node_agent, NODE2, path)
         record = json.loads((entry / ".entry.json").read_bytes())
         assert record["source"] == f"{s3.endpoint}/{object_store.BUCKET}/{prefix}", record
         wait_until("the Service to accept connections", lambda: accepts(url), 60)
@@ -733,7 +741,9 @@ def test_a_checkpoint_made_on_one_node_restores_on_another_through_the_object_st
         # Pre-warming: the operator asked that booted replica (its node does not hold the
         # checkpoint in use) to have its node agent pull it; the pull waited for the store
         # to come back. The next replica there restores from the node's cache, no pull.
-        wait_until("the second node pre-warmed", lambda: bool(_entries(node_agent, NODE2)), 180)
+        wait_until(
+            "the second node pre-warmed", lambda: bool(_entries(node_agent, NODE2, path)), 180
+        )
         obj = _restart(ns, "restored", name)
         pod_status = obj["status"]["pods"][0]
         assert (pod_status["node"], pod_status["coldStartPath"]) == (NODE2, "restore")
@@ -745,7 +755,7 @@ def test_a_checkpoint_made_on_one_node_restores_on_another_through_the_object_st
     # the serving pods; that node's cached copy goes too, as no replica there maps it.
     kubectl("delete", "rkcp", "to-s3", "-n", ns, "--timeout=120s")
     wait_until("the store's copy deleted", lambda: not list(bucket.list_objects(prefix)), 180)
-    wait_until("the first node's copy dropped", lambda: not _entries(node_agent, NODE1), 60)
+    wait_until("the first node's copy dropped", lambda: not _entries(node_agent, NODE1, path), 60)
     kubectl("delete", "rkis", name, "-n", ns, "--timeout=120s")
     wait_until("its pods gone", lambda: not pods_of(name, ns), 180)
 

@@ -916,16 +916,17 @@ The pod-level figures include the kubelet's 1 s readiness-probe period.
 
 SCALE_OUT_NOTE = """\
 The two-node local cluster, the tiny model, one InferenceService (storage `node`,
-published to SeaweedFS in the cluster) serving N replicas on the first node; each
-trial adds one (`kubectl rekindle bench --scale-out`, its new pod steered by
-cordoning the other node until it is bound, its first token asked of that pod) and
-removes it again. `cached`: the new replica on the first node, whose cache holds
-the checkpoint, its files in the page cache; `pull`: on the second node, whose
-node agent dropped its copy just before (a Job asks it), so it pulls the
-checkpoint from the store (the store's files in the page cache) and verifies
-every byte before the restore; `naive`: restorePolicy Never on the second node,
-vLLM boots. Both nodes are this machine: the "network" of the pull is loopback,
-so it shows the pull's cost, not a network's.
+published to SeaweedFS in the cluster) serving N replicas on the first node (N in
+the results; results made before `--replicas` have N = 0: the replica added is
+the only one); each trial adds one and removes it again. `cached`: the new
+replica on the first node, whose cache holds the checkpoint, its files in the
+page cache; `pull`: on the second node, whose cache lost its copy just before
+(its node agent asked by a Job, `kubectl rekindle bench --scale-out`'s way; N =
+0 results: emptied on the host), so it pulls the checkpoint from the store (the
+store's files in the page cache) and verifies every byte before the restore;
+`naive`: restorePolicy Never, vLLM boots. Both nodes are this machine: the
+"network" of the pull is loopback, so it shows the pull's cost, not a
+network's.
 
 """
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import urllib3
-from rekindle_contract.api import ADMIN_PORT, SERVE_PORT, AgentClient, StatusReply
+from rekindle_contract.api import ADMIN_PORT, SERVE_PORT, AgentClient, AgentError, StatusReply
 from rekindle_contract.manifest import Manifest
 from rekindle_contract.pod import TOKEN_KEY
 
@@ -195,8 +195,17 @@ class Agents:
             self._prewarmed.add(key)
         try:
             answer = self.client(pod, token, tls_required).prewarm(path)
-        except Exception as e:
-            log.info("pod %s: pre-warm of %s not started: %s", pod["metadata"]["name"], path, e)
+        except AgentError as e:  # it answered no (an agent without the route: 404)
+            log.info("pod %s: pre-warm of %s refused: %s", pod["metadata"]["name"], path, e)
+            return False
+        except Exception as e:  # not reached: ask again at the next reconcile
+            log.info("pod %s: pre-warm of %s not asked: %s", pod["metadata"]["name"], path, e)
+            with self._lock:
+                self._prewarmed.discard(key)
+            return False
+        if not answer.get("started") and answer.get("checkpoint") != path:
+            with self._lock:  # busy with another checkpoint's pull: ask again next time
+                self._prewarmed.discard(key)
             return False
         log.info("pod %s pre-warms %s on its node: %s", pod["metadata"]["name"], path, answer)
         return True

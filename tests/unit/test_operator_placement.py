@@ -10,12 +10,14 @@ from typing import Any
 
 import pytest
 import yaml
+from rekindle_contract.api import AgentError
 from rekindle_contract.vllm_argv import MM_AUTO_ENV, takes_images
 from rekindle_operator import builders as b
 from rekindle_operator import pod_template as pt
 from rekindle_operator import reconcile
 from rekindle_operator.constants import NAME_LABEL, SERVING_LABEL
 from rekindle_operator.kubectl_plugin import format_status
+from rekindle_operator.pods import Agents
 from rekindle_operator.quantity import mib_str, to_bytes
 from rekindle_operator.shm_sizing import effective_shm_bytes, shm_need
 from rekindle_operator.spec import MANAGED_ENV, IsvcSpec, SpecError, parse_spec
@@ -642,3 +644,43 @@ def test_one_ready_replica_per_node_without_the_checkpoint_is_asked_to_prewarm(
     s = spec(coldStart={"storage": storage})
     reconcile.prewarm_nodes(None, s, [ck], "ck", pods, agents)  # type: ignore[arg-type]
     assert agents.asked == [(name, path) for name in want]
+
+
+class PrewarmAnswers:
+    """An agent's answers to POST /v1/prewarm, one per call (an exception or a body)."""
+
+    def __init__(self, *answers: Exception | dict[str, Any]) -> None:
+        self.answers = list(answers)
+        self.calls = 0
+
+    def __call__(self, url: str, token: str, tls: Any = None) -> PrewarmAnswers:
+        return self
+
+    def prewarm(self, directory: str) -> dict[str, Any]:
+        self.calls += 1
+        out = self.answers.pop(0)
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+
+def _pod(uid: str) -> dict[str, Any]:
+    return {
+        "metadata": {"name": uid, "uid": uid, "namespace": "ns"},
+        "status": {"podIP": "10.0.0.9"},
+    }
+
+
+def test_each_pod_is_asked_once_unless_it_was_not_reached_or_busy() -> None:
+    path = "/var/lib/rekindle/checkpoints/ck-1"
+    answers = PrewarmAnswers(
+        ConnectionRefusedError("not listening yet"),  # not reached: asked again
+        {"started": False, "checkpoint": "/var/lib/rekindle/checkpoints/old", "state": "running"},
+        {"started": True, "checkpoint": path, "state": "running"},
+        AgentError(404, "no such route"),  # an older agent: asked once, not again
+    )
+    agents = Agents(client_for=answers)  # type: ignore[arg-type]
+    asked = [agents.prewarm_once(_pod("p1"), "t", path) for _ in range(4)]
+    assert asked == [False, False, True, False] and answers.calls == 3
+    assert agents.prewarm_once(_pod("p2"), "t", path) is False  # the 404
+    assert agents.prewarm_once(_pod("p2"), "t", path) is False and answers.calls == 4

@@ -28,7 +28,7 @@ RETRY_REASONS = ("store_unreachable", "unreachable")
 
 @dataclass
 class PrewarmState:
-    """What the last pre-warm did, for the agent's status."""
+    """What the last pre-warm did (logged, and the route's answer)."""
 
     checkpoint: str = ""
     state: str = ""  # running | done | failed

@@ -60,6 +60,7 @@ DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 class ScaleOutTrial(cluster_bench.Trial):
     target_node: str = ""
     cache_before: dict[str, Any] = field(default_factory=dict)  # status.nodes[] of that node
+    cold_start_path: str = ""  # boot | restore | restoreAfterPull, as the status said
 
 
 @dataclass(frozen=True)
@@ -191,11 +192,24 @@ def one_trial(
     node = (pod.get("spec") or {}).get("nodeName") or ""
     origin, reason, agent_s = cluster_bench.pod_report(kube, p.ns, pod_name)
     images = cluster_bench.pod_images(kube.get("Pod", p.ns, pod_name) or pod)
+    path = _cold_start_path(kube, p, pod_name)
     _scale_back(kube, p, pod_name)
     if node != target:
         raise RuntimeError(f"{arm} trial {i}: the new replica ran on {node}, not {target}")
     return ScaleOutTrial(
-        arm, i, ready_s, first_s, origin, reason, agent_s, pod_name, node, images, target, cache
+        arm,
+        i,
+        ready_s,
+        first_s,
+        origin,
+        reason,
+        agent_s,
+        pod_name,
+        node,
+        images,
+        target,
+        cache,
+        path,
     )
 
 
@@ -266,6 +280,20 @@ def _scale_back(kube: Kube, p: Plan, pod: str) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"pod {pod} still present 180s after the scale-down")
         time.sleep(0.5)
+
+
+def _cold_start_path(kube: Kube, p: Plan, pod: str, wait_s: float = 30) -> str:
+    """How that replica came up, as the service's status says (refreshed every few
+    seconds: waited for, bounded; "" if it never said)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        st = (kube.get("InferenceService", p.ns, p.name) or {}).get("status") or {}
+        for x in st.get("pods") or []:
+            if x.get("name") == pod and x.get("coldStartPath"):
+                return str(x["coldStartPath"])
+        if time.monotonic() >= deadline:
+            return ""
+        time.sleep(1)
 
 
 def _set_policy(kube: Kube, p: Plan, policy: str) -> None:

@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
                 na.read_all(warm)
                 res = na.residency(warm)
                 t = scale_out_bench.one_trial(kube, plan, arm, i, log)
-                path = _path(kube, ns, t.pod)
+                path = t.cold_start_path
                 trials.append({**asdict(t), "path": path, "residency": res})
                 log(
                     f"[{arm} {i + 1}/{args.trials}] on {t.node}: first token "
@@ -219,19 +219,6 @@ def _ready(kube: Kube, ns: str, n: int) -> bool:
     st = (kube.get("InferenceService", ns, NAME) or {}).get("status") or {}
     pods = st.get("pods") or []
     return len(pods) == n and all(p.get("ready") for p in pods)
-
-
-def _path(kube: Kube, ns: str, pod: str) -> str:
-    """How that replica came up, as its InferenceService's status says (bounded wait:
-    the pod is gone by now, so the last status that named it)."""
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        pods = ((kube.get("InferenceService", ns, NAME) or {}).get("status") or {}).get("pods")
-        for p in pods or []:
-            if p.get("name") == pod and p.get("coldStartPath"):
-                return str(p["coldStartPath"])
-        time.sleep(1)
-    return ""
 
 
 def summarize(trials: list[dict[str, Any]]) -> dict[str, dict[str, float]]:

@@ -3,6 +3,9 @@
 # the env's interpreter is the image's own python3. Source after common.sh.
 
 ROOTFS_SUITE=${ROOTFS_SUITE:-bookworm}
+# What chroot_venv's output is made of beyond its inputs; images built on a venv
+# put it in their cache keys, so a change here rebuilds them.
+VENV_FORMAT=pyc-unchecked-hash
 
 # debian_base KEYDIR_PREFIX PKG...: a cached minbase rootfs with PKGs; prints its path.
 debian_base() {
@@ -28,11 +31,17 @@ debian_base() {
 }
 
 # chroot_venv BASE OUTDIR VENV_PATH SCRIPT: run SCRIPT (sh) in a throwaway copy of
-# BASE after creating a venv at VENV_PATH, then keep only the venv as OUTDIR/venv.
+# BASE after creating a venv at VENV_PATH, then keep only the venv as OUTDIR/venv,
+# byte-compiled (compile_venv).
 # pip's cache is shared with the host; pip trusts the build host's CA bundle.
 chroot_venv() {
+	local base=$1 out=$2 venv_path=$3 script=$4
+	[ -f "$out.done" ] || pip_in_chroot "$base" "$out" "$venv_path" "$script"
+	[ -f "$out.compiled" ] || compile_venv "$base" "$out" "$venv_path"
+}
+
+pip_in_chroot() {
 	local base=$1 out=$2 venv_path=$3 script=$4 root rc=0
-	[ -f "$out.done" ] && return 0
 	root=$out.chroot
 	rm -rf "$root" "$out"
 	cp -a "$base" "$root"
@@ -51,6 +60,47 @@ chroot_venv() {
 	find "$out/venv" -name __pycache__ -prune -exec rm -rf {} +
 	rm -rf "$root"
 	touch "$out.done"
+}
+
+# compile_venv BASE OUTDIR VENV_PATH: byte-compile OUTDIR/venv once, with the image's
+# own python3, into hash-based pycs that are never checked against their source.
+# Pods run as a user who cannot write __pycache__ beside root-owned sources, so
+# without them every process of every pod compiles vLLM, torch and transformers
+# from source again: about half of each import, four imports per vLLM boot. An
+# image's files never change, so the check against the source is skipped as well.
+compile_venv() {
+	local base=$1 out=$2 venv_path=$3 site rc=0
+	log "byte-compiling $out/venv (first time only)"
+	# Some packages ship files that are not Python 3 (templates, test data): compileall
+	# reports them and exits 1; what matters is checked below.
+	venv_chroot "$base" "python3 -m compileall -qq -j 0 --invalidation-mode unchecked-hash $venv_path/lib" \
+		"$out/venv:$venv_path" || rc=$?
+	site=$(find "$out/venv/lib" -maxdepth 2 -name site-packages -type d)
+	compgen -G "$site/pip/__pycache__/__init__.cpython-*.pyc" >/dev/null ||
+		die "byte-compiling $out/venv failed (compileall exit $rc)"
+	touch "$out.compiled"
+}
+
+# venv_chroot BASE SCRIPT HOSTDIR:PATH...: run SCRIPT (sh) as root in a throwaway copy
+# of BASE with each HOSTDIR bind-mounted (read-write) at PATH; SCRIPT's exit status.
+venv_chroot() {
+	local base=$1 script=$2 root bind rc=0
+	shift 2
+	root=$(mktemp -d "${TMPDIR:-/var/tmp}/rekindle-chroot.XXXXXX")
+	cp -a "$base/." "$root"
+	mount --bind /proc "$root/proc"
+	for bind in "$@"; do
+		mkdir -p "$root${bind#*:}"
+		mount --bind "${bind%%:*}" "$root${bind#*:}"
+	done
+	chroot "$root" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root \
+		/bin/sh -ec "$script" >&2 || rc=$?
+	for bind in "$@"; do
+		umount "$root${bind#*:}" || die "cannot unmount $root${bind#*:}: remove $root by hand"
+	done
+	umount "$root/proc" || die "cannot unmount $root/proc: remove $root by hand"
+	rm -rf "$root"
+	return $rc
 }
 
 # project_deps [EXTRA...]: the project's dependencies (and extras') from pyproject.toml, shell-quoted.

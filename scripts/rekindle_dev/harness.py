@@ -22,15 +22,21 @@ empty (every process of the tree it booted or restored is gone, zombies
 included, so its sockets are closed and vLLM's port is free unless another
 agent holds it). It raises when that is not so within its deadline, rather
 than let the next agent meet what this one left.
+
+Agents get vLLM's model info cache seeded as the runtime image seeds it
+(modelinfo_seed_dir), so a boot here costs what a boot in a pod costs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import importlib.util
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -41,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from rekindle_agent.mapped_files.immutable import remove_tree
+from rekindle_agent.supervision import modelinfo_seed
 from rekindle_agent.supervision.vllm_process import wait_port_free
 from rekindle_contract.agent_args import AgentArgs, agent_argv
 from rekindle_contract.api import AgentClient, StatusReply
@@ -52,6 +59,34 @@ from rekindle_dev.ports import free_port
 AGENT_COMMAND = (sys.executable, "-m", "rekindle_agent.cli", "agent")
 # The size of the agent's private /dev/shm unless start() is told otherwise.
 DEFAULT_SHM = "6g"
+# The architectures of the models run here: the tiny, wide and SmolLM2 models are
+# Llama, the size ladder's Qwen2, the tiny VLM LLaVA.
+SEED_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "LlavaForConditionalGeneration")
+
+
+def modelinfo_seed_dir(cache_root: Path | None = None) -> Path:
+    """vLLM's model info cache for SEED_ARCHS, made once per vLLM and seed format under
+    the cache root (as images/runtime/build makes the image's): each agent factory's
+    first boot then starts no extra Python process to work it out, as in a pod."""
+    from rekindle_dev.smollm2 import default_cache_root
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:
+        raise RuntimeError("vLLM is not installed in this interpreter's environment")
+    registry = Path(spec.origin).parent / "model_executor" / "models" / "registry.py"
+    key = hashlib.sha256(
+        registry.read_bytes()
+        + Path(modelinfo_seed.__file__).read_bytes()
+        + ",".join(SEED_ARCHS).encode()
+    ).hexdigest()[:12]
+    out = (cache_root or default_cache_root()) / f"vllm-modelinfos-{key}"
+    if not out.is_dir():
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        cmd = [sys.executable, "-m", modelinfo_seed.__name__, "--out", str(tmp), *SEED_ARCHS]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        tmp.rename(out)
+    return out
 
 
 def fresh_ns_argv(shm_size: str | int = DEFAULT_SHM) -> list[str]:
@@ -319,6 +354,7 @@ class AgentFactory:
         self.env = {
             k: v for k, v in os.environ.items() if k not in (CHECKPOINT_ENV, CRIU_ENV, TOKEN_ENV)
         }
+        self.env.setdefault(modelinfo_seed.SEED_ENV, str(modelinfo_seed_dir()))
 
     def args(self, **overrides: Any) -> AgentArgs:
         """The agent's settings: this factory's, with overrides (AgentArgs field names)."""

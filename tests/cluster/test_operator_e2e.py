@@ -40,6 +40,8 @@ from typing import Any
 import pytest
 import yaml
 from rekindle_agent.mapped_files import immutable
+from rekindle_contract.manifest import RUN_CACHE_SUBDIR
+from rekindle_contract.pod import RUN_DIR
 from rekindle_operator import placement
 from rekindle_operator.pods import BUSY_STATES
 from rekindle_operator.quantity import to_bytes
@@ -235,6 +237,36 @@ def test_chat_completion_through_the_service(served: dict[str, Any]) -> None:
         lambda: any("/v1/chat/completions" in ln for ln in vllm_lines()),
         90,
     )
+
+
+def test_vllm_boots_from_the_images_compiled_files_and_model_info(
+    served: dict[str, Any],
+) -> None:
+    """What the image does for every boot: Python reads the venv's byte-compiled files
+    (an unprivileged pod cannot write its own), and vLLM finds its model-class info
+    seeded from the image, so it starts no extra Python process to work it out. vLLM
+    rewrites a seeded file whose module hash it does not accept: the pod's copy must
+    still be the image's, byte for byte."""
+    (pod,) = pods_of(NAME, served["isvc"]["metadata"]["namespace"])
+    ns, name = pod["metadata"]["namespace"], pod["metadata"]["name"]
+    seed = "vllm-model_executor-models-llama-LlamaForCausalLM.json"
+    logs = kubectl("logs", "-n", ns, name, "--tail=-1").stdout
+    assert f"model info cache seeded from the image: {seed}" in logs, logs[-3000:]
+    cache = f"{RUN_DIR}/{RUN_CACHE_SUBDIR}/vllm/modelinfos/{seed}"
+    same = kubectl("exec", "-n", ns, name, "--", "cmp", f"/opt/rekindle/vllm-modelinfos/{seed}",
+                   cache, check=False)  # fmt: skip
+    assert same.returncode == 0, same.stdout + same.stderr
+    probe = (
+        "import importlib.util as u, os, sys\n"
+        "for m in ('torch', 'transformers', 'vllm', 'vllm.config.model'):\n"
+        "    c = u.find_spec(m).cached\n"
+        "    assert os.path.exists(c), c\n"
+        "    flags = int.from_bytes(open(c, 'rb').read()[4:8], 'little')\n"
+        "    assert flags == 1, (c, flags)  # hash-based, not checked against the source\n"
+    )
+    r = kubectl("exec", "-n", ns, name, "--", "/opt/rekindle/venv/bin/python", "-c", probe,
+                check=False)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
 
 
 def test_admin_api_over_tls(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import signal
 import socket
@@ -21,6 +22,7 @@ from pathlib import Path
 from rekindle_agent.confinement import seccomp
 from rekindle_agent.process_tree import proctree, shm_files
 from rekindle_agent.process_tree.reaper import Reaper
+from rekindle_agent.supervision import modelinfo_seed
 
 # Each line vLLM writes reaches the agent's stdout (so `kubectl logs`) behind this tag.
 LOG_TAG = b"[vllm] "
@@ -31,6 +33,8 @@ POLL_S = 0.2
 PORT_GRACE_S = 10.0
 TCP_LISTEN = "0A"  # the socket state "listen" in /proc/net/tcp{,6}
 PROC_NET_TCP = (Path("/proc/net/tcp"), Path("/proc/net/tcp6"))
+
+log = logging.getLogger("rekindle.agent")
 
 
 class ForeignVllmError(RuntimeError):
@@ -266,6 +270,9 @@ class VllmProcess:
         if endpoint is not None and not wait_port_free(*endpoint, timeout=PORT_GRACE_S):
             raise ForeignVllmError(foreign_port_message(endpoint[1], "already in use"))
         argv = seccomp.wrap(self.argv) if self.seccomp_io_uring else list(self.argv)
+        seeded = modelinfo_seed.install(self.env)
+        if seeded:
+            log.info("vLLM's model info cache seeded from the image: %s", ", ".join(seeded))
         fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         if self.log_follower is not None:
             self.log_follower.follow_from_end()

@@ -40,6 +40,7 @@ from rekindle_operator import builders as b
 from rekindle_operator import cluster_bench
 from rekindle_operator.kube import Kube, KubeError
 from rekindle_operator.selection import pod_ready
+from rekindle_operator.spec import parse_spec
 
 ARMS = ("cached", "pull", "naive")
 # What the figures time, written into every results file.
@@ -116,6 +117,7 @@ def plan(kube: Kube, ns: str, name: str, warm: str | None, cold: str | None) -> 
             f"--cold-node: a Ready, schedulable node other than {warm} is needed (have {nodes})"
         )
     template = ((spec.get("podTemplate") or {}).get("spec")) or {}
+    runtime = parse_spec(name, ns, spec)  # the runtime image as the operator resolves it
     return Plan(
         ns=ns,
         name=name,
@@ -124,8 +126,8 @@ def plan(kube: Kube, ns: str, name: str, warm: str | None, cold: str | None) -> 
         warm_node=warm,
         cold_node=cold,
         checkpoint_path=str(cst.get("path", "")),
-        image=str(spec["image"]),
-        pull_policy=str(spec.get("imagePullPolicy", "IfNotPresent")),
+        image=runtime.image,
+        pull_policy=runtime.image_pull_policy,
         tolerations=list(template.get("tolerations") or []),
     )
 

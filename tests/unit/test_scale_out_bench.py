@@ -45,7 +45,7 @@ def isvc(publish: str = "objectStore", **spec: Any) -> dict[str, Any]:
     storage = {"type": "node", "node": {"publish": publish}}
     return {
         "spec": {
-            "image": "img",
+            "runtime": {"image": "img", "imagePullPolicy": "Never"},
             "replicas": 2,
             "model": {"source": "/m", "servedName": "tiny"},
             "coldStart": {"storage": storage},
@@ -63,6 +63,7 @@ def test_the_warm_node_holds_it_and_the_cold_one_does_not() -> None:
     p = plan(api)
     assert (p.warm_node, p.cold_node, p.replicas, p.model) == ("a", "c", 2, "tiny")
     assert p.checkpoint_path == CK["status"]["path"]
+    assert (p.image, p.pull_policy) == ("img", "Never")  # spec.runtime's, as the operator reads it
     ck = {"status": {**CK["status"], "cachedNodes": ["c"]}}
     p = plan(RecordedApi(isvc(), ck, [node("a"), node("c"), node("d")]))
     assert (p.warm_node, p.cold_node) == ("a", "d")

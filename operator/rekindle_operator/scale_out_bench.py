@@ -62,6 +62,7 @@ class ScaleOutTrial(cluster_bench.Trial):
     target_node: str = ""
     cache_before: dict[str, Any] = field(default_factory=dict)  # status.nodes[] of that node
     cold_start_path: str = ""  # boot | restore | restoreAfterPull, as the status said
+    restore_seconds: dict[str, float] = field(default_factory=dict)  # its phases (pull first)
 
 
 @dataclass(frozen=True)
@@ -194,7 +195,7 @@ def one_trial(
     node = (pod.get("spec") or {}).get("nodeName") or ""
     origin, reason, agent_s = cluster_bench.pod_report(kube, p.ns, pod_name)
     images = cluster_bench.pod_images(kube.get("Pod", p.ns, pod_name) or pod)
-    path = _cold_start_path(kube, p, pod_name)
+    reported = _pod_status(kube, p, pod_name)
     _scale_back(kube, p, pod_name)
     if node != target:
         raise RuntimeError(f"{arm} trial {i}: the new replica ran on {node}, not {target}")
@@ -211,7 +212,8 @@ def one_trial(
         images,
         target,
         cache,
-        path,
+        str(reported.get("coldStartPath", "")),
+        dict(reported.get("restoreSeconds") or {}),
     )
 
 
@@ -284,17 +286,18 @@ def _scale_back(kube: Kube, p: Plan, pod: str) -> None:
         time.sleep(0.5)
 
 
-def _cold_start_path(kube: Kube, p: Plan, pod: str, wait_s: float = 30) -> str:
-    """How that replica came up, as the service's status says (refreshed every few
-    seconds: waited for, bounded; "" if it never said)."""
+def _pod_status(kube: Kube, p: Plan, pod: str, wait_s: float = 30) -> dict[str, Any]:
+    """That replica's entry in the service's status once it says how the replica came
+    up (coldStartPath; restoreSeconds: the restore's phases). The status is refreshed
+    every few seconds: waited for, bounded; {} if it never said."""
     deadline = time.monotonic() + wait_s
     while True:
         st = (kube.get("InferenceService", p.ns, p.name) or {}).get("status") or {}
         for x in st.get("pods") or []:
             if x.get("name") == pod and x.get("coldStartPath"):
-                return str(x["coldStartPath"])
+                return dict(x)
         if time.monotonic() >= deadline:
-            return ""
+            return {}
         time.sleep(1)
 
 

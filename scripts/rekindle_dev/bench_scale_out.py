@@ -262,6 +262,25 @@ def markdown(doc: dict[str, Any]) -> str:
         ["arm", "first token", "pod Ready", "naive / arm", "first token per trial"], rows
     )
     resident = ", ".join(f"{t['arm']} {t['residency'].get('resident_pct')}%" for t in doc["trials"])
+    return head + table + phases_line(doc["trials"]) + footer(doc, resident)
+
+
+def phases_line(trials: list[dict[str, Any]]) -> str:
+    """The restore's phases per restoring arm, medians (results made before the trials
+    recorded them have none)."""
+    parts = []
+    for arm in ("cached", "pull"):
+        rows = [t.get("restore_seconds") or {} for t in trials if t["arm"] == arm]
+        names = [k for k in (rows[0] if rows else {}) if all(k in r for r in rows)]
+        if names:
+            med = ", ".join(f"{k} {statistics.median(r[k] for r in rows):.2f}" for k in names)
+            parts.append(f"{arm}: {med}")
+    if not parts:
+        return ""
+    return "\nThe restore's phases in the agent, medians (s): " + "; ".join(parts) + ".\n"
+
+
+def footer(doc: dict[str, Any], resident: str) -> str:
     host = doc["host"]
     foot = (
         f"\nFiles each arm reads, resident in the page cache just before its trial: {resident}. "
@@ -269,7 +288,7 @@ def markdown(doc: dict[str, Any]) -> str:
         f"{host['load_avg_at_end'][0]} at the end; "
         f"{host.get('cpu', '')}, {host.get('cpus')} CPUs.\n"
     )
-    return head + table + foot
+    return foot
 
 
 def plot(doc: dict[str, Any], out: Path) -> None:

@@ -83,3 +83,15 @@ def test_what_cannot_be_benched_says_what_to_change(
 ) -> None:
     with pytest.raises(SystemExit, match=words):
         plan(RecordedApi(svc, CK, nodes))
+
+
+def test_a_trial_records_how_its_replica_came_up_and_the_restores_phases() -> None:
+    svc = isvc()
+    svc["status"]["pods"] = [
+        {"name": "old", "coldStartPath": "restore"},
+        {"name": "new", "coldStartPath": "restoreAfterPull", "restoreSeconds": {"pull": 12.5}},
+    ]
+    api = RecordedApi(svc, CK, [node("a"), node("c")])
+    got = scale_out_bench._pod_status(cast(Kube, api), plan(api), "new", wait_s=0)
+    assert (got["coldStartPath"], got["restoreSeconds"]) == ("restoreAfterPull", {"pull": 12.5})
+    assert scale_out_bench._pod_status(cast(Kube, api), plan(api), "gone", wait_s=0) == {}

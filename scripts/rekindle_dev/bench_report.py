@@ -928,6 +928,18 @@ store's files in the page cache) and verifies every byte before the restore;
 "network" of the pull is loopback, so it shows the pull's cost, not a
 network's.
 
+The naive boot became about three times faster when the runtime image was
+byte-compiled and vLLM's model info cache seeded (docs/agent.md, "What a boot
+spends"): results made after it compare against that faster boot, so their
+ratios are smaller than earlier ones for the same restore. The pull arm misses
+its 5x target there: the node agent's pull itself takes most of it (results
+with `restore_seconds` list it as the `pull` phase: 11.4 s of a 16.2 s first
+token in the one-trial run in `docs/bench/scale-out/phases/`), where
+`rekindle-dev bench store` reads the same amount from a SeaweedFS on loopback
+in about a second: the cluster path (the store in a pod on the first node,
+read from the second node's network namespace through its Service) is where
+the time goes, not yet explained.
+
 """
 
 

@@ -209,6 +209,8 @@ def _record(kube: Kube, body: Body, emit: Emit, call: CheckpointCall) -> Status:
             f"pod {call.pod} kept serving; the agent said: {call.error}",
         )
     result = _result_status(call.manifest, status.get("startedAt") or now_iso(), "")
+    if call.published:
+        result["publication"] = clip(call.published, 500)
     _set_status(kube, body, result)
     emit(
         "Normal",
@@ -250,6 +252,8 @@ def _recover(
             status.get("startedAt") or now_iso(),
             " (recorded after an operator restart, from the agent's status)",
         )
+        if last.get("published"):
+            result["publication"] = clip(str(last["published"]), 500)
         _set_status(kube, body, result)
         emit(
             "Normal", "CheckpointReady", f"pod {pod_name} finished it while the operator restarted"

@@ -316,6 +316,8 @@ def format_status(isvc: dict[str, Any], checkpoints: list[dict[str, Any]]) -> st
                 f"on {', '.join(held)}" if held else "",
             ]
             lines.append(f"    {c['metadata']['name']}: " + " ".join(w for w in words if w))
+            if cs.get("publication"):
+                lines.append(f"      {cs['publication']}")
     return "\n".join(lines)
 
 

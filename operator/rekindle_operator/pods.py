@@ -137,6 +137,7 @@ class CheckpointCall:
     finished: threading.Event = field(default_factory=threading.Event)
     manifest: Manifest | None = None
     error: str | None = None
+    published: str | None = None  # where the node agent published it, in the agent's words
 
     def done(self) -> bool:
         return self.finished.is_set()
@@ -259,7 +260,9 @@ def _run_checkpoint(
     agent: Callable[[], Agent], call: CheckpointCall, timeout: float, then: Callable[[], None]
 ) -> None:
     try:
-        call.manifest = agent().checkpoint(call.path, timeout=timeout)
+        client = agent()
+        call.manifest = client.checkpoint(call.path, timeout=timeout)
+        call.published = publication(client, call.path)
     except Exception as e:  # the agent's own message: the Checkpoint's status shows it
         call.error = str(e) or repr(e)
     finally:
@@ -268,6 +271,18 @@ def _run_checkpoint(
         except Exception:
             log.exception("after the checkpoint of pod %s", call.pod)
         call.finished.set()
+
+
+def publication(agent: Agent, path: str) -> str | None:
+    """Where the node agent published the checkpoint at path, or why it did not, as the
+    agent's status says (storage node with publishing only). The checkpoint itself is
+    done: an agent that cannot say now costs only this line of the status."""
+    try:
+        last = agent.status().last_checkpoint or {}
+    except Exception as e:
+        log.info("no publication result from the agent for %s: %s", path, e)
+        return None
+    return str(last["published"]) if last.get("dir") == path and last.get("published") else None
 
 
 def service_completion(

@@ -350,6 +350,32 @@ def test_checkpoint_ready_pod_out_of_rotation_then_back() -> None:
     assert [r for _, r, _ in events] == ["CheckpointStarted", "CheckpointReady"]
 
 
+def test_where_the_node_agent_published_it_is_in_the_status() -> None:
+    kube, events = world()
+    path = b.checkpoint_path("c1", "0123456789")
+    last = {
+        "dir": path,
+        "ok": True,
+        "published": "published to http://s3:8333/ck/ (9 bytes, 0.1 s)",
+    }
+    agent = FakeAgent(manifest=MANIFEST, statuses=[reply("Ready", last_checkpoint=last)])
+    new_ckpt(kube)
+    drive(kube, Agents(agent), events)
+    st = ckpt_status(kube)
+    assert (st["phase"], st["path"]) == ("Ready", path)
+    assert st["publication"] == last["published"]
+
+
+def test_a_publication_of_another_checkpoint_or_none_is_not_reported() -> None:
+    kube, events = world()
+    other = {"dir": "/elsewhere", "ok": True, "published": "published to somewhere"}
+    agent = FakeAgent(manifest=MANIFEST, statuses=[reply("Ready", last_checkpoint=other)])
+    new_ckpt(kube)
+    drive(kube, Agents(agent), events)
+    st = ckpt_status(kube)
+    assert st["phase"] == "Ready" and "publication" not in st
+
+
 def impostors(kube: FakeKube) -> None:
     """Pods that carry the service's labels but that its Deployment did not make: no
     owner, another ReplicaSet, the right ReplicaSet's UID but another template hash."""
@@ -532,11 +558,17 @@ def test_operator_restart_waits_for_the_agent_then_fails_cleanly() -> None:
 def test_operator_restart_finishes_when_agent_reports_it() -> None:
     kube, events = world()
     body = running(kube)
-    last = {"dir": body["status"]["path"], "ok": True, "timings": {"dump": 1.5}}
+    last = {
+        "dir": body["status"]["path"],
+        "ok": True,
+        "timings": {"dump": 1.5},
+        "published": "not published, only this node has it: store_unreachable",
+    }
     agent = FakeAgent(statuses=[reply("Ready", last_checkpoint=last)])
     cp.step(kube, body, lambda *e: events.append(e), Agents(agent))
     st = ckpt_status(kube)
     assert st["phase"] == "Ready" and st["verified"] is True
+    assert st["publication"] == last["published"]
     assert st["phaseSeconds"] == {"dump": 1.5}
     assert kube.get("ConfigMap", NS, "tiny-rekindle")["data"]["checkpoint"] == st["path"]  # type: ignore[index]
     assert serving(kube) == "true"

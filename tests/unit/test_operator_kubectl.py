@@ -126,11 +126,16 @@ def test_format_status_mentions_boot_paths_and_stale() -> None:
         {
             "metadata": {"name": "c2", "creationTimestamp": "2"},
             "spec": {"inferenceService": "tiny"},
-            "status": {"phase": "Ready", "node": "gpu-2", "cachedNodes": ["gpu-3", "gpu-1"]},
+            "status": {
+                "phase": "Ready",
+                "node": "gpu-2",
+                "cachedNodes": ["gpu-3", "gpu-1"],
+                "publication": "published to http://s3:8333/ck/c2/ (9 bytes, 0.1 s)",
+            },
         },
     ]
     text = format_status(isvc, ck)
-    assert "c2: Ready on gpu-1, gpu-2, gpu-3" in text  # where the nodes hold it
+    assert "c2: Ready on gpu-1, gpu-2, gpu-3\n      published to http://s3:8333/ck/c2/" in text
     assert "pod tiny-a on gpu-1: boot (checksum_mismatch)" in text
     assert "gpu-1: 1/1 ready, checkpoint not proven here, slowest cold start: boot 40.0s" in text
     assert (

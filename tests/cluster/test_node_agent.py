@@ -531,6 +531,7 @@ def test_a_node_mode_service_boots_checkpoints_and_restores_unprivileged(
     )
     assert done["status"]["phase"] == "Ready", done["status"]
     assert done["status"]["verified"] is True
+    assert done["status"]["publication"].startswith("published to "), done["status"]
     # Published once proven: the pod's read-only files on the shared claim, the manifest
     # the node signed.
     copy = data_dir(shared_storage, done)
@@ -676,6 +677,7 @@ def test_a_checkpoint_made_on_one_node_restores_on_another_through_the_object_st
         "(recorded after an operator restart, from the agent's status)"
     ), done["status"]
     assert done["status"]["node"] == NODE1
+    assert done["status"]["publication"].startswith("published to "), done["status"]
     prefix = _store_prefix(ns, done)
     keys = {o.key: o.size for o in bucket.list_objects(prefix)}
     manifest = json.loads(bucket.get(prefix + "manifest.json"))

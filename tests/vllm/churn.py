@@ -133,12 +133,48 @@ def _workload() -> list[list[Req]]:
 WORKLOAD = _workload()
 
 
+# vLLM's CPU kernels are not batch-invariant: a request batched with others can see
+# its logits move by a rounding step, which flips a near tie between the two likeliest
+# tokens (seen once in 53 requests on AVX-512). Two bf16 steps at logits of 16 to 32.
+NEAR_TIE = 0.25
+TOP = 2  # logprobs asked per token: the chosen one and the runner-up
+
+
 @dataclass(frozen=True)
 class Out:
     text: str
     prompt_tokens: int
     completion_tokens: int
     finish_reason: str
+    # Per generated token, its (token, logprob) candidates, likeliest first: only to tell
+    # a near tie from a real difference (not compared: they move with batching).
+    top: tuple[tuple[tuple[str, float], ...], ...] = field(default=(), compare=False)
+    tokens: tuple[str, ...] = field(default=(), compare=False)
+
+
+def near_tie_flip(a: Out, b: Out) -> str | None:
+    """None when a and b first differ at a token where both runs had the same two
+    likeliest tokens within NEAR_TIE of each other, each picking the other's second
+    (after it the two continue from different text); else what differs."""
+    for k, (x, y) in enumerate(zip(a.tokens, b.tokens, strict=False)):
+        if x == y:
+            continue
+        ta, tb = a.top[k], b.top[k]
+        near = all(len(t) >= 2 and t[0][1] - t[1][1] <= NEAR_TIE for t in (ta, tb))
+        if near and ta[0][0] == tb[1][0] and ta[1][0] == tb[0][0]:
+            return None
+        return f"token {k}: {x!r} vs {y!r}, candidates {ta} vs {tb}"
+    return f"no differing token found ({len(a.tokens)} vs {len(b.tokens)} tokens)"
+
+
+def _candidates(logprobs: dict[str, Any]) -> tuple[list[str], list[tuple[tuple[str, float], ...]]]:
+    """The completions API's logprobs: the chosen tokens and each one's candidates."""
+    tokens = list(logprobs.get("tokens") or [])
+    top = [
+        tuple(sorted(((t, float(v)) for t, v in (d or {}).items()), key=lambda c: -c[1]))
+        for d in logprobs.get("top_logprobs") or []
+    ]
+    return tokens, top
 
 
 def _send(agent: AgentProc, req: Req) -> Out:
@@ -149,6 +185,7 @@ def _send(agent: AgentProc, req: Req) -> Out:
         "temperature": 0.0,
         "ignore_eos": True,  # every request decodes MAX_TOKENS tokens
         "stream": req.stream,
+        "logprobs": TOP,
     }
     if req.stream:
         body["stream_options"] = {"include_usage": True}
@@ -163,14 +200,19 @@ def _send(agent: AgentProc, req: Req) -> Out:
     if not req.stream:
         doc = json.loads(raw)
         choice, usage = doc["choices"][0], doc["usage"]
+        tokens, top = _candidates(choice.get("logprobs") or {})
         return Out(
             choice["text"],
             usage["prompt_tokens"],
             usage["completion_tokens"],
             choice["finish_reason"],
+            tuple(top),
+            tuple(tokens),
         )
     assert raw.rstrip().endswith("data: [DONE]"), f"{req.key}: stream cut: {raw[-200:]}"
     text, finish, usage = "", "", None
+    all_tokens: list[str] = []
+    all_top: list[tuple[tuple[str, float], ...]] = []
     for line in raw.splitlines():
         if not line.startswith("data: ") or line == "data: [DONE]":
             continue
@@ -178,9 +220,19 @@ def _send(agent: AgentProc, req: Req) -> Out:
         for choice in chunk.get("choices") or []:
             text += choice["text"]
             finish = choice.get("finish_reason") or finish
+            tokens, top = _candidates(choice.get("logprobs") or {})
+            all_tokens += tokens
+            all_top += top
         usage = chunk.get("usage") or usage
     assert usage is not None, f"{req.key}: no usage in the stream"
-    return Out(text, usage["prompt_tokens"], usage["completion_tokens"], finish)
+    return Out(
+        text,
+        usage["prompt_tokens"],
+        usage["completion_tokens"],
+        finish,
+        tuple(all_top),
+        tuple(all_tokens),
+    )
 
 
 def run_workload(agent: AgentProc) -> dict[str, Out]:

@@ -99,11 +99,19 @@ def test_restored_outputs_match_booted(churn_run: Churn) -> None:
     assert min(tokens) <= 8 and max(tokens) > 3 * churn.BLOCK, tokens
     assert max(tokens) + churn.MAX_TOKENS <= 512
     assert all(o.completion_tokens == churn.MAX_TOKENS for o in churn_run.booted.values())
-    diff = {
-        k: (churn_run.booted[k], churn_run.restored[k])
-        for k in churn_run.booted
-        if churn_run.booted[k] != churn_run.restored[k]
-    }
+    assert all(len(o.tokens) == churn.MAX_TOKENS for o in churn_run.booted.values())
+    # The same text for every request, but where a request shared a batch with others
+    # (vLLM's CPU kernels are not batch-invariant) a flipped near tie (churn.NEAR_TIE):
+    # corrupted memory changes answers far more than that.
+    alone = {r.key for rnd in churn.WORKLOAD if len(rnd) == 1 for r in rnd}
+    diff = {}
+    for k, b in churn_run.booted.items():
+        r = churn_run.restored[k]
+        if b == r:
+            continue
+        why = "sent alone" if k in alone else churn.near_tie_flip(b, r)
+        if why is not None:
+            diff[k] = (b, r, why)
     assert not diff, f"{len(diff)} of {len(churn_run.booted)} requests differ: {diff}"
 
 

@@ -208,9 +208,7 @@ def _record(kube: Kube, body: Body, emit: Emit, call: CheckpointCall) -> Status:
             "AgentCheckpointFailed",
             f"pod {call.pod} kept serving; the agent said: {call.error}",
         )
-    result = _result_status(call.manifest, status.get("startedAt") or now_iso(), "")
-    if call.published:
-        result["publication"] = clip(call.published, 500)
+    result = _result_status(call.manifest, status.get("startedAt") or now_iso(), "", call.published)
     _set_status(kube, body, result)
     emit(
         "Normal",
@@ -251,9 +249,8 @@ def _recover(
             {"timings": last.get("timings") or {}},
             status.get("startedAt") or now_iso(),
             " (recorded after an operator restart, from the agent's status)",
+            last.get("published"),
         )
-        if last.get("published"):
-            result["publication"] = clip(str(last["published"]), 500)
         _set_status(kube, body, result)
         emit(
             "Normal", "CheckpointReady", f"pod {pod_name} finished it while the operator restarted"
@@ -607,8 +604,11 @@ def _fail(kube: Kube, body: Body, emit: Emit, reason: str, message: str) -> Stat
     return {**(body.get("status") or {}), **st}
 
 
-def _result_status(manifest: Mapping[str, Any], started: str, how: str) -> Status:
-    """Ready: the agent answers success only after it restored the new checkpoint once."""
+def _result_status(
+    manifest: Mapping[str, Any], started: str, how: str, published: str | None = None
+) -> Status:
+    """Ready: the agent answers success only after it restored the new checkpoint once.
+    published: where the node agent published it, or why not (the agent's words)."""
     summary = {**manifest_summary(manifest), "verified": True}
     out = {
         "phase": CKPT_READY,
@@ -619,6 +619,8 @@ def _result_status(manifest: Mapping[str, Any], started: str, how: str) -> Statu
         "stale": False,
         **summary,
     }
+    if published:
+        out["publication"] = clip(str(published), 500)
     if summary["files"]:
         out["size"] = human_bytes(summary["sizeBytes"])
     else:  # recovered from the agent's status: no file list, so no size

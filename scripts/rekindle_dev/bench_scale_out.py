@@ -16,6 +16,12 @@ rotating per trial; rekindle_operator.scale_out_bench says what it times):
           from the previous arms, as for every arm)
 
 The residency of the checkpoint files each arm reads is recorded before its trial.
+One disk holds the store and both nodes here (a fleet's nodes each have their own),
+so before every arm the machine's dirty pages are written back (sync) and what was
+left is recorded: no arm pays for an earlier one's writes. Beside each pull, a plain
+parallel reader (rekindle_dev.store_read: same ranges, same requests in flight,
+bytes dropped) reads the same checkpoint's objects from the second node's network
+namespace: the limit a pull meets on this machine (issue 24: within 1.5x of it).
 Needs `scripts/local-cluster up --nodes 2` and `make images` (root: it reads the
 nodes' caches and the store's files on this machine to warm them).
 
@@ -45,7 +51,7 @@ from rekindle_operator.kube import Kube, load_configuration
 from rekindle_store.s3 import Credentials
 
 from rekindle_dev import bench_node_agent as na
-from rekindle_dev import local_s3
+from rekindle_dev import local_s3, store_read
 from rekindle_dev.bench_common import REPO, md_table, provenance, pyplot, save_figure
 
 ARMS = ("cached", "pull", "naive")
@@ -53,6 +59,8 @@ NAME = na.NAME
 NODE1, NODE2 = "rekindle-node", "rekindle-node-2"
 NODE_LOCAL = "/var/lib/rekindle-cluster/node-local"
 NODE2_LOCAL = "/var/lib/rekindle-cluster/nodes/2/node-local"
+NODE2_NETNS = "rekindle-node-2"  # scripts/local-cluster's network namespace of the second node
+STORE_PREFIX = "rekindle"  # the chart's nodeAgent.objectStore.prefix
 TOLERATION = {"key": "rekindle.dev/node", "operator": "Exists", "effect": "NoSchedule"}
 
 
@@ -149,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
         service(ns)
         ck = na.checkpoint(kube, ns)
         log(f"checkpoint {ck['path']} on {ck.get('node')}, published to {endpoint}")
+        data = f"{STORE_PREFIX}/{ns}/{Path(ck['path']).name}/data/"
         na.kubectl("scale", f"rkis/{NAME}", "-n", ns, f"--replicas={args.replicas}")
         na.wait(f"{args.replicas} replicas Ready", lambda: _ready(kube, ns, args.replicas), 600)
         na.kubectl("uncordon", NODE2)
@@ -158,9 +167,14 @@ def run(args: argparse.Namespace) -> int:
                 warm = s3_data if arm == "pull" else entries(state, NODE1)
                 na.read_all(warm)
                 res = na.residency(warm)
+                plain = plain_read(endpoint, data, creds) if arm == "pull" else None
+                dirty = written_back()
                 t = scale_out_bench.one_trial(kube, plan, arm, i, log)
                 path = t.cold_start_path
-                trials.append({**asdict(t), "path": path, "residency": res})
+                trials.append(
+                    {**asdict(t), "path": path, "residency": res, "dirty_kib": dirty}
+                    | ({"plain_read": plain} if plain else {})
+                )
                 log(
                     f"[{arm} {i + 1}/{args.trials}] on {t.node}: first token "
                     f"{t.first_token_s:.2f}s, pod ready {t.ready_s:.2f}s ({path}), "
@@ -215,6 +229,35 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def written_back() -> int:
+    """sync, then the machine's dirty memory left (KiB: what an arm may still wait on)."""
+    os.sync()
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("Dirty:"):
+            return int(line.split()[1])
+    return 0
+
+
+def plain_read(endpoint: str, prefix: str, creds: Credentials) -> dict[str, Any]:
+    """The plain parallel reader over the checkpoint's objects, from the second node's
+    network namespace (as its node agent reaches the store): bytes, seconds."""
+    env = {
+        **os.environ,
+        store_read.ACCESS_ENV: creds.access_key,
+        store_read.SECRET_ENV: creds.secret_key,
+    }
+    argv = ["ip", "netns", "exec", NODE2_NETNS, sys.executable, "-m", "rekindle_dev.store_read"]
+    res = subprocess.run(
+        [*argv, endpoint, local_s3.BUCKET, prefix],
+        env=env, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    if res.returncode != 0:
+        raise SystemExit(f"the plain reader failed: {res.stderr.strip()[-2000:]}")
+    got: dict[str, Any] = json.loads(res.stdout)
+    log(f"plain parallel read from {NODE2}: {got['bytes']} bytes in {got['seconds']:.2f}s")
+    return got
+
+
 def _ready(kube: Kube, ns: str, n: int) -> bool:
     st = (kube.get("InferenceService", ns, NAME) or {}).get("status") or {}
     pods = st.get("pods") or []
@@ -262,7 +305,8 @@ def markdown(doc: dict[str, Any]) -> str:
         ["arm", "first token", "pod Ready", "naive / arm", "first token per trial"], rows
     )
     resident = ", ".join(f"{t['arm']} {t['residency'].get('resident_pct')}%" for t in doc["trials"])
-    return head + table + phases_line(doc["trials"]) + footer(doc, resident)
+    lines = phases_line(doc["trials"]) + pull_line(doc["trials"])
+    return head + table + lines + footer(doc, resident)
 
 
 def phases_line(trials: list[dict[str, Any]]) -> str:
@@ -280,10 +324,31 @@ def phases_line(trials: list[dict[str, Any]]) -> str:
     return "\nThe restore's phases in the agent, medians (s): " + "; ".join(parts) + ".\n"
 
 
+def pull_line(trials: list[dict[str, Any]]) -> str:
+    """The pull against the plain parallel reader beside it (results made before the
+    trials recorded one have none)."""
+    rows = [
+        (t["restore_seconds"]["pull"], t["plain_read"]["seconds"], t["plain_read"]["bytes"])
+        for t in trials
+        if t["arm"] == "pull" and t.get("plain_read") and "pull" in (t.get("restore_seconds") or {})
+    ]
+    if not rows:
+        return ""
+    ratios = [p / r for p, r, _b in rows]
+    per = ", ".join(f"{p:.2f} / {r:.2f}" for p, r, _b in rows)
+    return (
+        f"\nThe pull against a plain parallel reader of the same {rows[0][2] / 2**30:.2f} GiB "
+        f"from the second node (issue 24: within 1.5x): pull phase / plain read, median "
+        f"{statistics.median(ratios):.2f}x (per trial, s: {per}).\n"
+    )
+
+
 def footer(doc: dict[str, Any], resident: str) -> str:
     host = doc["host"]
     foot = (
         f"\nFiles each arm reads, resident in the page cache just before its trial: {resident}. "
+        f"Dirty memory after the sync before each arm (KiB): "
+        f"{', '.join(str(t['dirty_kib']) for t in doc['trials'] if 'dirty_kib' in t) or '-'}. "
         f"Load average {host['load_avg_at_start'][0]} at the start, "
         f"{host['load_avg_at_end'][0]} at the end; "
         f"{host.get('cpu', '')}, {host.get('cpus')} CPUs.\n"

@@ -41,6 +41,7 @@ from rekindle_store.node_cache import NodeCache
 from rekindle_store.object_copy import PART_BYTES, StoreLocation
 from rekindle_store.s3 import Bucket
 
+from rekindle_dev import store_read
 from rekindle_dev.bench_common import md_table, provenance, pyplot, save_figure
 from rekindle_dev.bench_provenance import MEASURED_BY, provenance_line
 from rekindle_dev.seaweedfs import SeaweedFS
@@ -95,8 +96,7 @@ def _ranges(loc: StoreLocation, files: list[dict[str, Any]]) -> list[Any]:
 
 
 def plain(bucket: Bucket, jobs: list[Any], threads: int) -> int:
-    with ThreadPoolExecutor(threads) as pool:
-        return sum(pool.map(lambda j: len(bucket.get(j[0], j[1], j[2])), jobs))
+    return store_read.read(bucket, jobs, threads)
 
 
 def to_disk(bucket: Bucket, jobs: list[Any], threads: int, dest: Path) -> int:

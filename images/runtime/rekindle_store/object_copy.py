@@ -8,8 +8,9 @@ One published checkpoint under the store's prefix:
 The store is a transport, never trusted: whoever holds its credentials can
 change any object. A pull therefore reads the manifest first (bounded, checked
 against the fleet's signing key), then every listed file with parallel ranged
-GETs; each range is written into a root-only staging directory as it arrives
-and hashed in file order as soon as the ranges before it are in, so a file is
+GETs; each range is received straight into the staging file's mapping (a
+root-only staging directory; socket to page cache, no copy in between) and
+hashed in file order as soon as the ranges before it are in, so a file is
 verified the moment its last byte lands and nothing unverified ever leaves
 staging. An interrupted pull (the node agent restarted, the store went away)
 resumes: a journal records how far each file was verified; on the next pull of
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import os
 import time
 from collections import deque
@@ -182,6 +184,22 @@ class _FileState:
     algo: str
     want: str
     verified: int  # bytes hashed so far, in order
+    mapped: mmap.mmap | None = None  # the staging file, shared and writable, while fetched
+    view: memoryview | None = None  # of mapped: ranges are received into slices of it
+
+    def map(self) -> memoryview:
+        """The file's bytes, writable in place (mapped on first use)."""
+        if self.view is None:
+            self.mapped = mmap.mmap(self.fd, self.entry["size"], mmap.MAP_SHARED)
+            self.view = memoryview(self.mapped)
+        return self.view
+
+    def close(self) -> None:
+        if self.view is not None:
+            self.view.release()
+        if self.mapped is not None:
+            self.mapped.close()
+        os.close(self.fd)
 
 
 def journal_boot(stage: Path) -> str | None:
@@ -241,8 +259,9 @@ def pull_files(
         for f in entries:
             states[f["path"]] = _open_state(stage, f, journal, signed)
         with ThreadPoolExecutor(max(1, threads), thread_name_prefix="pull") as pool:
-            window: deque[tuple[_FileState, int, Future[bytes]]] = deque()
+            window: deque[tuple[_FileState, int, Future[int]]] = deque()
             for st, start, end in _ranges(states.values()):
+                st.map()
                 window.append((st, start, pool.submit(_fetch, loc, st, start, end)))
                 if len(window) > threads * 2:
                     _consume(window.popleft(), journal, loc, on_progress)
@@ -254,7 +273,7 @@ def pull_files(
         raise _store_error(e, str(loc)) from e
     finally:
         for st in states.values():
-            os.close(st.fd)
+            st.close()
     _write_once(stage / MANIFEST_NAME, raw)
     if signed and isinstance(manifest.get("verified"), dict):
         record = json.dumps(manifest["verified"], sort_keys=True) + "\n"
@@ -288,7 +307,7 @@ def _open_state(stage: Path, f: FileEntry, journal: _Journal, signed: bool) -> _
         fd = os.open(path, _OPEN_STAGED | os.O_CREAT | os.O_EXCL, 0o600)
         verified = 0
     journal.done[rel] = verified
-    os.ftruncate(fd, size)  # holes for the parts of zeroes never written
+    os.ftruncate(fd, size)  # the whole length, so it can be mapped and received into
     return _FileState(f, fd, hasher, algo, want, verified)
 
 
@@ -311,37 +330,57 @@ def _ranges(states: Iterable[_FileState]) -> Iterator[tuple[_FileState, int, int
             yield st, start, min(start + PART_BYTES, size)
 
 
-def _fetch(loc: StoreLocation, st: _FileState, start: int, end: int) -> bytes:
-    data = loc.bucket.get(loc.data_key(st.entry["path"]), start, end)
-    if len(data) != end - start:
+def _fetch(loc: StoreLocation, st: _FileState, start: int, end: int) -> int:
+    """Receive bytes [start, end) of st's object into its mapping; how many came."""
+    view = st.map()[start:end]
+    try:
+        got = loc.bucket.get_into(loc.data_key(st.entry["path"]), start, view)
+    finally:
+        view.release()
+    if got != end - start:
         raise CopyError(
             "checksum_mismatch",
-            f"{loc}{DATA}/{st.entry['path']}: {len(data)} bytes at {start}, "
+            f"{loc}{DATA}/{st.entry['path']}: {got} bytes at {start}, "
             f"{end - start} expected (the object is shorter than the manifest says)",
         )
-    if data != _ZERO_PART[: len(data)]:
-        os.pwrite(st.fd, data, start)
-    return data
+    return got
 
 
 def _consume(
-    item: tuple[_FileState, int, Future[bytes]],
+    item: tuple[_FileState, int, Future[int]],
     journal: _Journal,
     loc: StoreLocation,
     on_progress: Callable[[int], None] | None,
 ) -> None:
     st, start, fut = item
-    data = fut.result()
+    got = fut.result()
     if start != st.verified:  # ranges are consumed in order: never happens
         raise CopyError("checksum_mismatch", f"{st.entry['path']}: range {start} out of order")
-    st.hasher.update(data)
-    st.verified += len(data)
+    view = st.map()[start : start + got]
+    try:
+        st.hasher.update(view)  # the bytes as they are in the file now: what runs
+        if _all_zero(view):  # a hole again (checkpoint pages can hold long runs of zeroes)
+            assert st.mapped is not None
+            with contextlib.suppress(OSError):  # a filesystem that cannot punch holes
+                st.mapped.madvise(mmap.MADV_REMOVE, start, got)
+    finally:
+        view.release()
+    st.verified += got
     if st.verified == st.entry["size"]:
         _finish_file(st, loc, journal)
     else:
         journal.record(st.entry["path"], st.verified)
     if on_progress is not None:
-        on_progress(len(data))
+        on_progress(got)
+
+
+def _all_zero(view: memoryview) -> bool:
+    """Whether a received range is all zeroes: its first page first (data almost always
+    differs there), then the whole, compared as bytes (a memoryview compares per item)."""
+    head = min(len(view), 4096)
+    if view[:head].tobytes() != _ZERO_PART[:head]:
+        return False
+    return view.tobytes() == _ZERO_PART[: len(view)]
 
 
 def _finish_file(st: _FileState, loc: StoreLocation, journal: _Journal) -> None:

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import NamedTuple
 
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 _UNRESERVED = "-_.~"
@@ -121,6 +122,13 @@ class ObjectInfo:
     etag: str = ""  # as the store lists it, quotes removed (an MD5 for a single-part upload)
 
 
+class _Answer(NamedTuple):
+    status: int
+    headers: dict[str, str]  # names in lower case
+    body: bytes  # empty where the body was read into the caller's buffer
+    filled: int = 0  # how many bytes went into that buffer
+
+
 class Bucket:
     """One bucket of an S3-compatible endpoint."""
 
@@ -162,20 +170,26 @@ class Bucket:
 
     def put(self, key: str, body: bytes) -> str:
         """Store body under key; its ETag."""
-        return self._call("PUT", key, body=body, ok=(200,))[1].get("etag", "")
+        return self._call("PUT", key, body=body, ok=(200,)).headers.get("etag", "")
 
     def get(self, key: str, start: int = 0, end: int | None = None, limit: int = 0) -> bytes:
         """Bytes [start, end) of key (end None: to its end). limit: refuse more than that."""
         headers = {}
         if start or end is not None:
             headers["range"] = f"bytes={start}-{'' if end is None else end - 1}"
-        _s, _h, body = self._call("GET", key, headers=headers, ok=(200, 206), limit=limit)
-        return body
+        return self._call("GET", key, headers=headers, ok=(200, 206), limit=limit).body
+
+    def get_into(self, key: str, start: int, buf: memoryview) -> int:
+        """Read bytes [start, start + len(buf)) of key straight into buf; how many came
+        (fewer: the object is shorter). No intermediate copy: a pull passes a slice of
+        the staging file's mapping, so the bytes go from the socket to the page cache."""
+        headers = {"range": f"bytes={start}-{start + len(buf) - 1}"}
+        return self._call("GET", key, headers=headers, ok=(206, 200), into=buf).filled
 
     def head(self, key: str) -> ObjectInfo | None:
         """key's size (None: no such object)."""
         try:
-            _s, headers, _b = self._call("HEAD", key, ok=(200,))
+            headers = self._call("HEAD", key, ok=(200,)).headers
         except S3Error as e:
             if e.status == 404:
                 return None
@@ -192,7 +206,7 @@ class Bucket:
             query = {"list-type": "2", "prefix": prefix}
             if token:
                 query["continuation-token"] = token
-            _s, _h, body = self._call("GET", "", query=query, ok=(200,))
+            body = self._call("GET", "", query=query, ok=(200,)).body
             root = ET.fromstring(body)
             for c in root.iter(f"{_NS}Contents"):
                 yield ObjectInfo(
@@ -206,7 +220,7 @@ class Bucket:
 
     def start_upload(self, key: str) -> str:
         """A multipart upload's id (for files larger than one PUT should carry)."""
-        _s, _h, body = self._call("POST", key, query={"uploads": ""}, ok=(200,))
+        body = self._call("POST", key, query={"uploads": ""}, ok=(200,)).body
         upload = ET.fromstring(body).findtext(f"{_NS}UploadId", "")
         if not upload:
             raise S3Error(200, "NoUploadId", f"{self}: {key}: no UploadId in the answer")
@@ -214,7 +228,7 @@ class Bucket:
 
     def put_part(self, key: str, upload: str, number: int, body: bytes) -> str:
         query = {"partNumber": str(number), "uploadId": upload}
-        return self._call("PUT", key, query=query, body=body, ok=(200,))[1].get("etag", "")
+        return self._call("PUT", key, query=query, body=body, ok=(200,)).headers.get("etag", "")
 
     def finish_upload(self, key: str, upload: str, etags: list[str]) -> None:
         parts = "".join(
@@ -222,7 +236,7 @@ class Bucket:
             for i, etag in enumerate(etags, start=1)
         )
         body = f"<CompleteMultipartUpload>{parts}</CompleteMultipartUpload>".encode()
-        _s, _h, answer = self._call("POST", key, query={"uploadId": upload}, body=body, ok=(200,))
+        answer = self._call("POST", key, query={"uploadId": upload}, body=body, ok=(200,)).body
         # S3 may answer 200 with an error document once the parts are joined.
         if b"<Error>" in answer:
             code = ET.fromstring(answer).findtext("Code", "InternalError")
@@ -242,12 +256,14 @@ class Bucket:
         body: bytes = b"",
         ok: tuple[int, ...] = (200,),
         limit: int = 0,
-    ) -> tuple[int, dict[str, str], bytes]:
+        into: memoryview | None = None,
+    ) -> _Answer:
         """One call, retried (RETRIES times, backing off) while the server is unreachable
-        or says 5xx. Raises S3Error for any other answer."""
+        or says 5xx. Raises S3Error for any other answer. With into, a successful
+        answer's body is read into it (its length: filled)."""
         for attempt in range(RETRIES):
             try:
-                return self._once(method, key, query or {}, headers or {}, body, ok, limit)
+                return self._once(method, key, query or {}, headers or {}, body, ok, limit, into)
             except S3Error as e:
                 if not e.unreachable or attempt == RETRIES - 1:
                     raise
@@ -263,7 +279,8 @@ class Bucket:
         body: bytes,
         ok: tuple[int, ...],
         limit: int,
-    ) -> tuple[int, dict[str, str], bytes]:
+        into: memoryview | None = None,
+    ) -> _Answer:
         path = "/" + quote(self.bucket) + ("/" + quote(key, safe="/") if key else "")
         payload = hashlib.sha256(body).hexdigest() if body else EMPTY_SHA256
         when = datetime.now(UTC)
@@ -288,7 +305,15 @@ class Bucket:
                 raise S3Error(
                     resp.status, "TooLarge", f"{self}: {key}: {length} bytes, at most {limit} read"
                 )
-            data = resp.read()
+            data, filled = b"", 0
+            if into is not None and resp.status in ok:
+                if length > len(into):
+                    raise S3Error(
+                        resp.status, "TooLarge", f"{self}: {key}: {length} bytes, {len(into)} asked"
+                    )
+                filled = _read_into(resp, into[:length])
+            else:
+                data = resp.read()
             answer = {k.lower(): v for k, v in resp.getheaders()}
         except (OSError, http.client.HTTPException) as e:
             raise S3Error(0, "Unreachable", f"{self}: {method} {key or '/'}: {e}") from e
@@ -300,12 +325,23 @@ class Bucket:
                 _error_code(data, resp.status),
                 _message(self, method, key, resp.status, data),
             )
-        return resp.status, answer, data
+        return _Answer(resp.status, answer, data, filled)
 
     def _connection(self) -> http.client.HTTPConnection:
         if self.scheme == "https":
             return http.client.HTTPSConnection(self.netloc, timeout=self.timeout, context=self._tls)
         return http.client.HTTPConnection(self.netloc, timeout=self.timeout)
+
+
+def _read_into(resp: http.client.HTTPResponse, buf: memoryview) -> int:
+    """Fill buf from the body (it ends early only if the server stops early)."""
+    got = 0
+    while got < len(buf):
+        n = resp.readinto(buf[got:])
+        if not n:
+            break
+        got += n
+    return got
 
 
 def _error_code(body: bytes, status: int) -> str:

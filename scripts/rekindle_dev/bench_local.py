@@ -58,6 +58,7 @@ from typing import Any
 from rekindle_agent.mapped_files.immutable import remove_tree
 from rekindle_agent.restoring import residency
 from rekindle_contract.api import PATH_READYZ
+from rekindle_store import resident_lock
 
 from rekindle_dev import plain_criu
 from rekindle_dev.bench_common import parse_vllm_log, provenance
@@ -134,7 +135,7 @@ def warm_paths(paths: list[Path]) -> None:
     when memory runs short (a 3B arm's data and runtime fill most of this VM), so a
     single pass left some rows partly cold; a second touch marks them in use, as the
     files of a node that served before are."""
-    vmtouch = residency.vmtouch_binary()
+    vmtouch = resident_lock.vmtouch_binary()
     if vmtouch is None:
         raise RuntimeError("vmtouch is not installed: apt-get install vmtouch")
     for _ in range(2):
@@ -640,7 +641,7 @@ def check_setup(args: argparse.Namespace) -> dict[str, Path] | str:
         return "rekindle-dev bench local: needs root (CRIU, namespaces, drop_caches)"
     if not args.criu_prefix:
         return "--criu-prefix is required: pass scripts/build-criu's output"
-    if residency.vmtouch_binary() is None:
+    if resident_lock.vmtouch_binary() is None:
         return "vmtouch is not installed (warms and measures every arm): apt-get install vmtouch"
     prefix = Path(args.criu_prefix)
     criu = {"stock": prefix / "stock" / "criu", "patched": prefix / "patched" / "criu"}

@@ -36,7 +36,7 @@ from typing import Any
 
 from rekindle_agent.restoring import prefetch, residency
 from rekindle_contract.manifest import IMAGES_SUBDIR, FileEntry
-from rekindle_store import digests
+from rekindle_store import digests, resident_lock
 
 from rekindle_dev.bench_common import provenance
 from rekindle_dev.bench_provenance import MEASURED_BY, provenance_line
@@ -313,7 +313,7 @@ def run(args: argparse.Namespace) -> int:
         (out / "results.json").write_text(json.dumps(doc, indent=2))
         print(render(out, doc))
         return 0
-    binary = residency.vmtouch_binary()
+    binary = resident_lock.vmtouch_binary()
     if os.geteuid() != 0 or binary is None:
         print("rekindle-dev bench warm: needs root (drop_caches) and vmtouch", file=sys.stderr)
         return 2

@@ -195,6 +195,8 @@ def node_agent(
         "nodeAgent.objectStore.credentialsSecret=s3-credentials",
         "--set-json",
         f"nodeAgent.tolerations=[{json.dumps(NODE2_TOLERATION)}]",
+        "--set",
+        f"nodeAgent.residentBudgetGiB={RESIDENT_GIB}",
     ).stdout
     kubectl("apply", "-n", ns, "-f", "-", input=rendered)
     try:
@@ -208,6 +210,9 @@ def node_agent(
         # Each node's state (its root-only cache) was a hostPath: remove it.
         for node in (NODE1, NODE2):
             shutil.rmtree(node_local_path(state, node), ignore_errors=True)
+
+
+RESIDENT_GIB = 1  # the node agents' resident budget (a checkpoint here is about 2 GiB)
 
 
 def _serving_pod(name: str) -> str:
@@ -540,6 +545,14 @@ def test_a_node_mode_service_boots_checkpoints_and_restores_unprivileged(
     assert manifest.get("verified"), "published before it was proven"
     pages = max(copy.rglob("pages-*.img"), key=lambda p: p.stat().st_size)
     assert (pages.stat().st_uid, stat.S_IMODE(pages.stat().st_mode)) == (65534, 0o444)
+    # The node's resident budget: its agent keeps the new checkpoint's files locked in
+    # memory (a vmtouch -l child; hostPID, so its /proc is this machine's), the small
+    # files first, within the budget.
+    (entry,) = _entries(node_agent, NODE1, done["status"]["path"])
+    wait_until("the checkpoint locked in memory", lambda: _locked(entry)[0] > 0, 60)
+    locked, files = _locked(entry)
+    assert locked <= RESIDENT_GIB << 30, locked
+    assert files and all(f.startswith(str(entry)) for f in files), files
 
     obj = _restart(ns, "restored")
     assert obj["status"]["pods"][0]["memory"] == "mmap", obj["status"]["pods"]
@@ -579,7 +592,9 @@ def test_a_node_mode_service_boots_checkpoints_and_restores_unprivileged(
     wait_until("the Service to accept connections", lambda: accepts(url), 60)
     assert _completions(url) == before
     # Not in the cache any more: the pull checks every byte and refuses; a normal boot.
+    # Evicted, its pages are locked no more (the lock follows the cache).
     _evict(node_agent)
+    wait_until("the evicted checkpoint unlocked", lambda: _locked(entry) == (0, []), 30)
     obj = _restart(ns, "booted")
     reason = obj["status"]["pods"][0]["reason"]
     assert reason.startswith("checksum_mismatch: "), reason
@@ -801,6 +816,29 @@ def _preferred(pod: dict[str, Any]) -> list[str]:
         for f in t["preference"]["matchFields"]
         for v in f["values"]
     ]
+
+
+def _locked(entry: Path) -> tuple[int, list[str]]:
+    """(bytes, files) that node agents' vmtouch -l children lock under entry: their
+    VmLck, their arguments (node agents run with hostPID, so this machine sees them)."""
+    total, files = 0, []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = [a.decode() for a in (proc / "cmdline").read_bytes().split(b"\0") if a]
+            status = (proc / "status").read_text()
+        except OSError:
+            continue
+        mine = [a for a in argv[1:] if a.startswith(f"{entry}/")]
+        if argv and argv[0].endswith("vmtouch") and mine:
+            files += mine
+            total += next(
+                int(line.split()[1]) << 10
+                for line in status.splitlines()
+                if line.startswith("VmLck:")
+            )
+    return total, files
 
 
 def _state_dir(agent_ns: str, node: str = NODE1) -> Path:

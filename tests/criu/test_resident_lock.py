@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from rekindle_agent.restoring import residency
 from rekindle_dev.testenv import require
+from rekindle_store import resident_lock
 
 pytestmark = pytest.mark.criu
 
@@ -40,7 +41,7 @@ def drop_caches() -> None:
 
 def test_locked_checkpoint_stays_resident_and_unlocked_one_does_not(ckpt: Path) -> None:
     residency.residency(ckpt)  # warm (vmtouch reads nothing; lock() faults it in)
-    lock = residency.ResidentLock(64 * MIB)
+    lock = resident_lock.ResidentLock(64 * MIB)
     lock.lock(str(ckpt), residency.checkpoint_files(ckpt))
     try:
         assert lock.proc is not None, lock.why
@@ -56,7 +57,7 @@ def test_locked_checkpoint_stays_resident_and_unlocked_one_does_not(ckpt: Path) 
 
 
 def test_budget_locks_only_what_fits(ckpt: Path) -> None:
-    lock = residency.ResidentLock(16 * MIB)
+    lock = resident_lock.ResidentLock(16 * MIB)
     lock.lock(str(ckpt), residency.checkpoint_files(ckpt))
     try:
         assert lock.files == ["images/core-1.img", "weights.bin"]
@@ -73,7 +74,7 @@ def test_follow_locks_the_newest_checkpoint(ckpt: Path, tmp_path: Path) -> None:
     newer.mkdir()
     (newer / "weights.bin").write_bytes(os.urandom(4 * MIB))
     current: list[Path] = [ckpt]
-    lock = residency.ResidentLock(64 * MIB)
+    lock = resident_lock.ResidentLock(64 * MIB)
     stop = threading.Event()
     t = threading.Thread(
         target=residency.follow,

@@ -11,6 +11,7 @@ from rekindle_agent.process_tree.proctree import zombie_children
 from rekindle_agent.process_tree.reaper import Reaper
 from rekindle_agent.restoring import residency
 from rekindle_dev.testenv import require
+from rekindle_store import resident_lock
 
 VMTOUCH_OUT = """           Files: 3
      Directories: 1
@@ -98,11 +99,11 @@ def test_residency_says_what_is_missing(tmp_path: Path) -> None:
 def test_within_budget_keeps_order_and_skips_what_does_not_fit() -> None:
     page = residency.PAGE
     files = [("images/core-1.img", 10), ("images/pages-1.img", 5 * page), ("w.bin", page)]
-    chosen, used = residency.within_budget(files, 3 * page)
+    chosen, used = resident_lock.within_budget(files, 3 * page)
     assert chosen == ["images/core-1.img", "w.bin"]  # the pages image is over the budget
     assert used == 2 * page
-    assert residency.within_budget(files, 0) == ([], 0)
-    assert residency.within_budget(files, 10 * page)[0] == [f[0] for f in files]
+    assert resident_lock.within_budget(files, 0) == ([], 0)
+    assert resident_lock.within_budget(files, 10 * page)[0] == [f[0] for f in files]
 
 
 def test_checkpoint_files_in_lock_order(tmp_path: Path) -> None:
@@ -115,7 +116,7 @@ def test_checkpoint_files_in_lock_order(tmp_path: Path) -> None:
 
 
 def test_lock_without_vmtouch_says_so(tmp_path: Path) -> None:
-    lock = residency.ResidentLock(1 << 20, binary=None)
+    lock = resident_lock.ResidentLock(1 << 20, binary=None)
     lock.binary = None
     lock.lock(str(tmp_path), [("f", 10)], wait=0)
     doc = lock.doc()
@@ -123,7 +124,7 @@ def test_lock_without_vmtouch_says_so(tmp_path: Path) -> None:
 
 
 def test_lock_with_nothing_in_budget_says_so(tmp_path: Path) -> None:
-    lock = residency.ResidentLock(0, binary="/bin/true")
+    lock = resident_lock.ResidentLock(0, binary="/bin/true")
     lock.lock(str(tmp_path), [("f", 10)], wait=0)
     assert lock.proc is None and "nothing fits" in lock.doc()["why"]
 
@@ -242,7 +243,7 @@ def test_a_lock_that_dies_says_why(tmp_path: Path) -> None:
     dies.chmod(0o755)
     reaper = Reaper(orphan_grace_s=0.05)
     try:
-        lock = residency.ResidentLock(1 << 20, binary=str(dies), reaper=reaper)
+        lock = resident_lock.ResidentLock(1 << 20, binary=str(dies), on_spawn=reaper.exempt)
         lock.lock(str(tmp_path), [("f", 10)], wait=0)
         assert lock.proc is not None
         deadline = time.monotonic() + 60

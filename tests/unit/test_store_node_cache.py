@@ -339,3 +339,24 @@ def test_a_dropped_entry_goes_unless_a_replica_maps_it(tmp_path: Path, cache: No
     cache.unpin_holder("pod-a")
     assert cache.drop(v.entry) is True
     assert cache.names() == [] and cache.drop(v.entry) is False
+
+
+def test_the_resident_plan_puts_the_newest_entry_first_its_small_files_first(
+    tmp_path: Path,
+) -> None:
+    cache = NodeCache(tmp_path / "cache", budget_bytes=8 << 20)
+    old = cache.get(publish(tmp_path / "old", pages=b"o" * len(PAGES)), KEY)
+    new = cache.get(publish(tmp_path / "new", pages=b"n" * len(PAGES)), KEY)
+    os.utime(cache.entries / old.entry / node_cache.ENTRY_RECORD, (1, 1))
+    plan = cache.resident_plan()
+    owners = [p.split("/", 1)[0] for p, _ in plan]
+    n = owners.count(new.entry)
+    assert owners == [new.entry] * n + [old.entry] * (len(plan) - n)
+    mine = plan[:n]
+    assert [s for _, s in mine] == sorted(s for _, s in mine)
+    assert mine[-1] == (f"{new.entry}/images/pages-1.img", len(PAGES))
+    assert {p for p, _ in mine} == {
+        str(f.relative_to(cache.entries))
+        for f in (cache.entries / new.entry).rglob("*")
+        if f.is_file()
+    }

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from rekindle_agent.mapped_files.immutable import remove_tree
 from rekindle_agent.restoring import residency
+from rekindle_store import resident_lock
 
 from .conftest import AgentFactory, AgentProc, TinyCheckpoint
 
@@ -30,7 +31,7 @@ LOCK_DEADLINE_S = 180.0
 def wanted_bytes(ckpt: Path) -> tuple[int, int]:
     """(bytes the agent's lock takes of ckpt within the budget, ckpt's bytes), whole pages."""
     files = residency.checkpoint_files(ckpt)
-    _, want = residency.within_budget(files, BUDGET_MB << 20)
+    _, want = resident_lock.within_budget(files, BUDGET_MB << 20)
     total = sum(-(-size // residency.PAGE) * residency.PAGE for _, size in files)
     return want, total
 
@@ -81,7 +82,7 @@ def cached_control(path: Path) -> Path:
 def test_agent_keeps_its_newest_checkpoint_resident(
     agent_factory: AgentFactory, tiny_ckpt: TinyCheckpoint
 ) -> None:
-    if residency.vmtouch_binary() is None:
+    if resident_lock.vmtouch_binary() is None:
         pytest.fail("vmtouch is not installed: apt-get install vmtouch (scripts/python-env does)")
     ckpt = agent_factory.checkpoints / "resident"
     control = agent_factory.checkpoints / "resident-control"

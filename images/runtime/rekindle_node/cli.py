@@ -9,6 +9,7 @@ import secrets
 import signal
 import socket
 import sys
+import threading
 from pathlib import Path
 
 from rekindle_store.node_cache import NodeCache
@@ -16,6 +17,7 @@ from rekindle_store.s3 import Bucket, Credentials
 
 from rekindle_node import criu_run
 from rekindle_node.cuda import CudaCheckpoint
+from rekindle_node.keep_resident import NodeResidency
 from rekindle_node.operations import NodeSettings, ObjectStore, Operations
 from rekindle_node.pod_resources import PodResourcesClient
 from rekindle_node.pod_sockets import PodSockets
@@ -39,6 +41,13 @@ def parser() -> argparse.ArgumentParser:
         type=float,
         default=50.0,
         help="bytes of checkpoints the cache may hold (least recently used unpinned go first)",
+    )
+    p.add_argument(
+        "--resident-budget-gib",
+        type=float,
+        default=0.0,
+        help="bytes of the most recently used checkpoints kept locked in memory by vmtouch -l "
+        "(0: none); charged to this process's memory cgroup",
     )
     p.add_argument(
         "--containerd-tasks",
@@ -186,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     cache = NodeCache(state / "cache", budget_bytes=int(args.cache_budget_gib * (1 << 30)))
     store = object_store(args)
     key = fleet_key(args.signing_key_file) if args.signing_key_file else node_key(state)
+    budget = int(args.resident_budget_gib * (1 << 30))
+    resident = NodeResidency(cache, budget) if budget > 0 else None
     ops = Operations(
         NodeSettings(
             criu=criu_run.CriuFiles(criu=args.criu, plugins=args.criu_plugins),
@@ -198,15 +209,22 @@ def main(argv: list[str] | None = None) -> int:
         key,
         PodResourcesClient(str(args.pod_resources_socket)) if args.pod_resources_socket else None,
         store,
+        resident,
     )
     sockets = PodSockets(args.containerd_tasks, ops.handlers(), on_gone=cache.unpin_holder)
     signal.signal(signal.SIGTERM, lambda *_: sockets.stop())
+    keeper_stop = threading.Event()
+    if resident is not None:
+        threading.Thread(
+            target=resident.run, args=(keeper_stop,), name="keep-resident", daemon=True
+        ).start()
     log.info("node %s: watching %s", args.node_name, args.containerd_tasks)
     if store is not None:
         log.info("object store: %s, prefix %s", store.bucket, store.prefix)
     try:
         sockets.run(args.scan_interval)
     finally:
+        keeper_stop.set()
         sockets.close()
     return 0
 

@@ -36,6 +36,7 @@ from rekindle_store.node_cache import NodeCache, VerifiedCheckpoint
 from rekindle_store.s3 import Bucket
 
 from rekindle_node import criu_run, cuda, identity
+from rekindle_node.keep_resident import NodeResidency
 from rekindle_node.pod_resources import PodResourcesClient, PodResourcesError
 from rekindle_node.requests import FD_KEY, Caller, OperationError, Refused, Request
 
@@ -98,8 +99,10 @@ class Operations:
         key: bytes,
         pod_resources: PodResourcesClient | None = None,
         store: ObjectStore | None = None,
+        resident: NodeResidency | None = None,
     ) -> None:
         self.settings = settings
+        self.resident = resident  # the node's resident budget (None: none)
         self.cache = cache
         self.key = key
         self.store = store
@@ -531,7 +534,12 @@ class Operations:
             if entry is not None and entry.manifest.get("identity", {}).get("namespace") == ns:
                 mine.append(name)
         # Residency (mincore over every file) only for the caller's own entries.
-        return {"entries": self.cache.report_json(mine)}
+        kept = self.resident.kept() if self.resident else set()
+        return {
+            "entries": [
+                {**e, "kept_resident": e["entry"] in kept} for e in self.cache.report_json(mine)
+            ]
+        }
 
     def devices(self, caller: Caller, req: Request) -> dict[str, Any]:
         """The caller's own container's devices, as the kubelet allocated them.

@@ -361,6 +361,23 @@ class NodeCache:
     def names(self) -> list[str]:
         return sorted(p.name for p in self.entries.iterdir() if p.is_dir())
 
+    def resident_plan(self) -> list[tuple[str, int]]:
+        """Every entry's files (paths under entries/, sizes) in the order a resident
+        budget keeps them: the most recently used entry first (the next replica's
+        likeliest restore), and in each its smallest files first (CRIU's images, which
+        a restore parses before it maps the memory pages and reloads the weights)."""
+        out: list[tuple[str, int]] = []
+        for name in sorted(self.names(), key=self._last_used, reverse=True):
+            files = []
+            for f in (self.entries / name).rglob("*"):
+                try:
+                    if f.is_file() and not f.is_symlink():
+                        files.append((str(f.relative_to(self.entries)), f.stat().st_size))
+                except OSError:  # evicted while listed
+                    continue
+            out += sorted(files, key=lambda f: (f[1], f[0]))
+        return out
+
     def pin(self, name: str, holder: str) -> None:
         """Keep entry name while holder (a replica mapping its files) lives."""
         d = self.pins / name

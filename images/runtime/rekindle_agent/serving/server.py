@@ -30,6 +30,7 @@ from typing import Any, cast
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 from rekindle_contract import api
+from rekindle_store.resident_lock import ResidentLock
 
 from rekindle_agent.agent import Agent
 from rekindle_agent.checkpointing import checkpoint
@@ -60,7 +61,7 @@ HOP_HEADERS = {
 UNAUTHENTICATED = {api.PATH_HEALTHZ, api.PATH_READYZ}
 AGENT_KEY = web.AppKey("agent", Agent)
 PROXY_KEY: web.AppKey[Proxy] = web.AppKey("proxy")
-RESIDENT_KEY: web.AppKey[residency.ResidentLock | None] = web.AppKey("resident")
+RESIDENT_KEY: web.AppKey[ResidentLock | None] = web.AppKey("resident")
 
 
 class Proxy:
@@ -538,9 +539,7 @@ async def post_prewarm(request: web.Request) -> web.Response:
     return web.json_response(body, status=202)
 
 
-def admin_app(
-    agent: Agent, proxy: Proxy, lock: residency.ResidentLock | None = None
-) -> web.Application:
+def admin_app(agent: Agent, proxy: Proxy, lock: ResidentLock | None = None) -> web.Application:
     app = web.Application(middlewares=[auth_middleware])
     app[AGENT_KEY] = agent
     app[PROXY_KEY] = proxy
@@ -630,7 +629,7 @@ async def serve(agent: Agent, starter: threading.Thread, early_stop: threading.E
         )
     lock, keeper_stop = None, threading.Event()
     if cfg.keep_resident_mb > 0:
-        lock = residency.ResidentLock(cfg.keep_resident_mb << 20, reaper=agent.reaper)
+        lock = ResidentLock(cfg.keep_resident_mb << 20, on_spawn=agent.reaper.exempt)
         threading.Thread(
             target=residency.follow,
             args=(lock, lambda: newest_checkpoint(agent), keeper_stop),

@@ -205,6 +205,13 @@ class AgentArgs:
         "an error, so an allowed host cannot send vLLM elsewhere)",
         default=False,
     )
+    # Shutdown (docs/agent.md, "Shutdown"): within the pod's termination grace (30 s).
+    shutdown_drain: float = _opt(
+        "seconds after SIGTERM in which requests in flight (streams too) may finish; new "
+        "ones get 503 with Retry-After at once. Keep it below the pod's "
+        "terminationGracePeriodSeconds",
+        default=25.0,
+    )
     vllm_args: list[str] = field(default_factory=list, metadata={"help": "vLLM flags after --"})
 
 

@@ -5,7 +5,8 @@ Standard library only: the operator imports it (no aiohttp, torch or vLLM).
 Ports (all TCP, in the pod):
   SERVE_PORT (8000)  the OpenAI API, as a reverse proxy in front of vLLM: only
                      the routes in SERVE_ROUTES (vLLM's control endpoints never
-                     reach it from here). No agent token; with the agent's
+                     reach it from here; its read-only /metrics
+                     does). No agent token; with the agent's
                      --api-key-file every request needs `Authorization: Bearer
                      <api key>`. While the agent drains or checkpoints, new
                      requests get 503 with Retry-After (retryable).
@@ -99,6 +100,10 @@ CHECKPOINT_FAILURE_REASONS = (
 # only the agent reaches those, on 127.0.0.1.
 SERVE_ROUTES: tuple[tuple[str, str], ...] = (
     ("GET", "/health"),
+    # vLLM's own Prometheus metrics (queue, KV cache use, latencies; counts, never
+    # prompts), read-only: what load-aware routers and autoscalers read from the port
+    # they route to. The agent's own metrics stay on the admin port.
+    ("GET", "/metrics"),
     ("GET", "/version"),
     ("GET", "/v1/models"),
     ("POST", "/v1/completions"),

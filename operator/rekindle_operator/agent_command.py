@@ -56,8 +56,16 @@ def agent_args(spec: IsvcSpec) -> AgentArgs:
         node_store=spec.storage.publish == "objectStore",
         allowed_media_domains=",".join(spec.mm_allowed_media_domains) or None,
         media_redirects=spec.mm_media_redirects,
+        shutdown_drain=shutdown_drain(spec.termination_grace_s),
         vllm_args=list(spec.vllm_args),
     )
+
+
+def shutdown_drain(grace_s: int) -> float:
+    """Seconds the agent lets requests in flight finish after SIGTERM: the pod's grace,
+    less a margin (5 s, or a fifth of a short grace) to kill vLLM's tree and exit before
+    the kubelet's SIGKILL."""
+    return grace_s - min(5.0, grace_s / 5)
 
 
 def agent_command(spec: IsvcSpec) -> list[str]:

@@ -247,6 +247,30 @@ def network_policy_name(isvc: str) -> str:
     return f"{isvc}-agent"
 
 
+def disruption_budget_name(name: str) -> str:
+    return name
+
+
+def build_disruption_budget(spec: IsvcSpec, owner: Mapping[str, Any] | None = None) -> Obj | None:
+    """spec.disruptionBudget: a PodDisruptionBudget over the service's pods (None: unset).
+
+    Unhealthy pods may always be evicted (unhealthyPodEvictionPolicy AlwaysAllow): a
+    replica still booting or restoring never blocks a node drain.
+    """
+    if spec.disruption_max_unavailable is None:
+        return None
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(spec, disruption_budget_name(spec.name), owner, "inference"),
+        "spec": {
+            "maxUnavailable": spec.disruption_max_unavailable,
+            "selector": {"matchLabels": selector_labels(spec.name)},
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
+    }
+
+
 def build_network_policy(
     spec: IsvcSpec,
     operator_namespace: str,
@@ -488,7 +512,8 @@ def _operator_pod_template(
             **_fetch_model(spec),
             # vLLM and the agent never call the Kubernetes API: no token in the pod.
             "automountServiceAccountToken": False,
-            "terminationGracePeriodSeconds": 30,
+            # The agent lets requests in flight finish within it (agent_command).
+            "terminationGracePeriodSeconds": spec.termination_grace_s,
             "enableServiceLinks": False,
             "volumes": [
                 {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": mib_str(shm_bytes)}},
@@ -666,11 +691,14 @@ def build_deployment(
         "spec": {
             "replicas": spec.replicas + surge if spec.replicas else 0,
             "selector": {"matchLabels": selector_labels(spec.name)},
-            # A restored pod is ready in seconds; surge one at a time so a
-            # rollout never runs two cold boots' worth of extra memory.
+            # spec.rollout; by default one surge pod at a time, none taken out first: a
+            # rollout never runs two cold boots' worth of extra memory nor drops a replica.
             "strategy": {
                 "type": "RollingUpdate",
-                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+                "rollingUpdate": {
+                    "maxSurge": spec.max_surge,
+                    "maxUnavailable": spec.max_unavailable,
+                },
             },
             "template": template,
         },

@@ -33,6 +33,7 @@ _RESOURCES: dict[str, tuple[str, str]] = {
     "Pod": ("/api/v1", "pods"),
     "Job": ("/apis/batch/v1", "jobs"),
     "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
+    "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
     "InferenceService": (f"/apis/{GROUP}/{VERSION}", ISVC_PLURAL),
     "Checkpoint": (f"/apis/{GROUP}/{VERSION}", CKPT_PLURAL),
 }

@@ -70,6 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--cold-node", help="--scale-out: a node that must pull it (and boots naive)")
     b.add_argument("--json", type=Path, help="write results as JSON here")
     b.add_argument("--plot", type=Path, help="write a PNG plot here")
+    b.add_argument(
+        "-y",
+        "--yes",
+        action="store_true",
+        help="go on without asking although NAME serves (it is scaled to 0 between trials; "
+        "--scale-out cordons nodes for seconds): for scripts",
+    )
 
     g = sub.add_parser(
         "gpu-check",
@@ -369,6 +376,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from rekindle_operator import scale_out_bench
 
     kube, ns = _kube(args), _namespace(args)
+    disturbs = bench_disturbs(kube, ns, args.name, args.scale_out)
+    if disturbs and not args.yes and not _confirmed(disturbs):
+        return EXIT_USAGE
     started, load_start = time.time(), bench.client_load()
     trials: Sequence[bench.Trial]
     if args.scale_out:
@@ -399,6 +409,32 @@ def cmd_bench(args: argparse.Namespace) -> int:
         bench.plot(trials, args.plot, f"{title} ({args.trials} trials)", arms)
         print(f"wrote {args.plot}")
     return 0
+
+
+def bench_disturbs(kube: Any, ns: str, name: str, scale_out: bool) -> str:
+    """What the benchmark would do to a service that serves ("" when it serves nobody)."""
+    obj = kube.get("InferenceService", ns, name) or {}
+    ready = int((obj.get("status") or {}).get("readyReplicas") or 0)
+    if scale_out:
+        return (
+            f"{name} gains a replica per trial, and the cluster's other nodes are cordoned "
+            "for the seconds until it is bound (other workloads cannot schedule there then)"
+        )
+    if ready == 0:
+        return ""
+    return (
+        f"{ns}/{name} serves {ready} ready replica(s): the benchmark scales it to 0 before "
+        "every trial, so its clients get errors until it is back"
+    )
+
+
+def _confirmed(disturbs: str) -> bool:
+    """Ask on a terminal; refuse (and say how to go on) anywhere else."""
+    if not sys.stdin.isatty():
+        print(f"error: {disturbs}; run it on a copy, or pass --yes to go on", file=sys.stderr)
+        return False
+    answer = input(f"{disturbs}. Go on? [y/N] ")
+    return answer.strip().lower() in ("y", "yes")
 
 
 def cmd_gpu_check(args: argparse.Namespace) -> int:

@@ -18,7 +18,7 @@ from rekindle_contract.pod import SIGNING_KEY_KEY
 
 from rekindle_operator import admin_tls, auto_checkpoint, placement
 from rekindle_operator import builders as b
-from rekindle_operator.adoption import foreign_object
+from rekindle_operator.adoption import foreign_object, owned_by
 from rekindle_operator.checkpoint_storage import rwo_spread_warning
 from rekindle_operator.constants import (
     ANN_AGENT_READY,
@@ -164,6 +164,7 @@ def ensure_objects(
     if pvc is not None:
         kube.create_if_absent(pvc)
     kube.apply(b.build_service(spec, owner=body))
+    ensure_disruption_budget(kube, body, spec)
     if deployment:
         kube.apply(
             b.build_deployment(
@@ -175,6 +176,20 @@ def ensure_objects(
                 warm_placement=settings.warm_placement,
             )
         )
+
+
+def ensure_disruption_budget(kube: Kube, body: Body, spec: IsvcSpec) -> None:
+    """The PodDisruptionBudget as spec.disruptionBudget says: applied, or (unset) our own
+    removed. One somebody else made under that name is never touched (adoption.py)."""
+    pdb = b.build_disruption_budget(spec, owner=body)
+    if pdb is not None:
+        kube.apply(pdb)
+        return
+    name = b.disruption_budget_name(spec.name)
+    existing = kube.get("PodDisruptionBudget", spec.namespace, name)
+    uid = str((body.get("metadata") or {}).get("uid") or "")
+    if existing is not None and owned_by(existing, uid):
+        kube.delete("PodDisruptionBudget", spec.namespace, name)
 
 
 def keep_checkpoints_current(

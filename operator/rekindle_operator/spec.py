@@ -165,6 +165,15 @@ class IsvcSpec:
     model: ModelSource = field(default_factory=ModelSource)
     # spec.podTemplate: placement, identity, extra labels, annotations and volumes.
     pod_template: PodTemplate = field(default_factory=PodTemplate)
+    # spec.rollout: how many pods a rolling update may add above, and take out of,
+    # spec.replicas at once (a count or a percentage, as a Deployment takes them).
+    max_surge: int | str = 1
+    max_unavailable: int | str = 0
+    # spec.terminationGracePeriodSeconds: how long a stopping pod may let requests in
+    # flight finish (the agent's --shutdown-drain is derived from it).
+    termination_grace_s: int = 30
+    # spec.disruptionBudget.maxUnavailable: an owned PodDisruptionBudget (None: none).
+    disruption_max_unavailable: int | str | None = None
 
     @property
     def mm_cache_undecided(self) -> bool:
@@ -278,9 +287,63 @@ def parse_spec(
             _admin_tls(name, namespace, admin_tls) if spec.get("adminTLS") is not None else None
         ),
         egress_cidrs=_egress(spec.get("egress")),
+        max_surge=_int_or_percent(_get(spec, "rollout"), "maxSurge", 1),
+        max_unavailable=_int_or_percent(_get(spec, "rollout"), "maxUnavailable", 0),
+        termination_grace_s=int(spec.get("terminationGracePeriodSeconds", 30)),
+        disruption_max_unavailable=_disruption_budget(spec.get("disruptionBudget")),
     )
     validate(out)
     return out
+
+
+PERCENT = re.compile(r"^(100|[1-9]?[0-9])%$")
+
+
+def _int_or_percent(rollout: Mapping[str, Any], key: str, default: int) -> int | str:
+    """spec.rollout.KEY (or spec.disruptionBudget.KEY): a count (>= 0) or a percentage
+    of spec.replicas ("25%")."""
+    value = rollout.get(key, default)
+    if isinstance(value, bool) or not (
+        (isinstance(value, int) and value >= 0) or (isinstance(value, str) and PERCENT.match(value))
+    ):
+        raise SpecError(
+            f"spec.rollout/disruptionBudget {key}: {value!r} is neither a count (0 or more) "
+            "nor a percentage (such as 25%)"
+        )
+    return value
+
+
+def _disruption_budget(value: object) -> int | str | None:
+    """spec.disruptionBudget.maxUnavailable (at least 1, or a percentage above 0%)."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or "maxUnavailable" not in value:
+        raise SpecError(
+            "spec.disruptionBudget needs maxUnavailable: how many replicas voluntary "
+            "evictions (a node drain) may take out at once, such as 1 or 25%"
+        )
+    got = _int_or_percent(value, "maxUnavailable", 1)
+    if got in (0, "0%"):
+        raise SpecError(
+            "spec.disruptionBudget.maxUnavailable is 0: no node could ever be drained; "
+            "allow at least 1 (or remove spec.disruptionBudget)"
+        )
+    return got
+
+
+def _validate_rollout(s: IsvcSpec) -> None:
+    """What a Deployment refuses, said in the spec's words before it gets that far."""
+    if s.max_surge in (0, "0%") and s.max_unavailable in (0, "0%"):
+        raise SpecError(
+            "spec.rollout: maxSurge and maxUnavailable are both 0, so a rolling update could "
+            "never replace a pod: allow a surge (maxSurge: 1, the default) or an unavailable "
+            "pod (maxUnavailable: 1)"
+        )
+    if not 5 <= s.termination_grace_s <= 3600:
+        raise SpecError(
+            f"spec.terminationGracePeriodSeconds: {s.termination_grace_s} is outside 5-3600: "
+            "a stopping pod needs a few seconds to let requests in flight finish"
+        )
 
 
 def _egress(value: object) -> tuple[str, ...] | None:
@@ -427,6 +490,7 @@ def validate(s: IsvcSpec) -> None:
         )
     _validate_kv_cache(s)
     _validate_keep_resident(s)
+    _validate_rollout(s)
     if s.storage.type not in ("pvc", "hostPath", "node"):
         raise SpecError(
             f"spec.coldStart.storage.type is {s.storage.type!r}: use 'pvc', 'hostPath' or 'node'"

@@ -931,14 +931,20 @@ network's.
 The naive boot became about three times faster when the runtime image was
 byte-compiled and vLLM's model info cache seeded (docs/agent.md, "What a boot
 spends"): results made after it compare against that faster boot, so their
-ratios are smaller than earlier ones for the same restore. The pull arm misses
-its 5x target there: the node agent's pull itself takes most of it (results
-with `restore_seconds` list it as the `pull` phase: 11.4 s of a 16.2 s first
-token in the one-trial run in `docs/bench/scale-out/phases/`), where
-`rekindle-dev bench store` reads the same amount from a SeaweedFS on loopback
-in about a second: the cluster path (the store in a pod on the first node,
-read from the second node's network namespace through its Service) is where
-the time goes, not yet explained.
+ratios are smaller than earlier ones for the same restore.
+
+One disk holds the store and both nodes here, so the bench writes the
+machine's dirty pages back before every arm (a fleet's nodes each have their
+own disk) and records what was left. Beside each pull, a plain parallel reader
+(`rekindle_dev.store_read`: the same objects, ranges and requests in flight,
+bytes dropped) reads the checkpoint from the second node's network namespace:
+the limit a pull meets through the cluster's network and the store's pod. The
+pull arm misses its 5x target: the store gives the second node about 2 GiB in
+6 s here (the plain reader; a SeaweedFS on loopback gives the same bytes in
+about 2), and a new pod's start and the restore add about 4 s more, so even a
+pull at the plain reader's pace would stay under 5x. What would close it is a
+pull that overlaps the restore (CRIU's images and memory pages first, the
+weight dump while CRIU restores), not built yet.
 
 """
 

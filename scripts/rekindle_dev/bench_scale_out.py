@@ -167,6 +167,8 @@ def run(args: argparse.Namespace) -> int:
                 warm = s3_data if arm == "pull" else entries(state, NODE1)
                 na.read_all(warm)
                 res = na.residency(warm)
+                if arm == "pull":  # on a settled machine, as the pull after it
+                    written_back()
                 plain = plain_read(endpoint, data, creds) if arm == "pull" else None
                 dirty = written_back()
                 t = scale_out_bench.one_trial(kube, plan, arm, i, log)

@@ -91,6 +91,10 @@ def test_negative_replicas_refused(namespace: str) -> None:
         ({"runtime": {"device": "tpu"}}, "supported values"),
         ({"adminTLS": {"serverName": "tiny.ns.svc"}}, "spec.adminTLS.secretName: Required"),
         ({"adminTLS": {"secretName": "Not_A_Name"}}, "spec.adminTLS.secretName"),
+        ({"rollout": {"maxSurge": 0, "maxUnavailable": "0%"}}, "may not both be 0"),
+        ({"rollout": {"maxSurge": 0}}, "may not both be 0"),  # maxUnavailable's default is 0
+        ({"rollout": {"maxSurge": "150%"}}, "a count (0 or more) or a percentage"),
+        ({"terminationGracePeriodSeconds": 2}, "greater than or equal to 5"),
     ],
 )
 def test_other_refusals(namespace: str, spec: dict[str, Any], words: str) -> None:
@@ -172,6 +176,8 @@ def test_builders_pass_server_side_validation(namespace: str) -> None:
     )
     objs.append(b.build_network_policy(egress, "rekindle-system", {"app": "op"}, owner))
     objs.append(b.build_metrics_secret(spec, owner))
+    budget = {**owner["spec"], "disruptionBudget": {"maxUnavailable": "25%"}}
+    objs.append(b.build_disruption_budget(parse_spec("tiny", namespace, budget), owner))  # type: ignore[arg-type]
     for obj in objs:
         r = apply(obj, namespace, "--dry-run=server")
         assert r.returncode == 0, f"{obj['kind']}: {r.stderr}"

@@ -34,6 +34,7 @@ import signal
 import subprocess
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +129,86 @@ def one_replica(ns: str) -> dict[str, Any]:
         return st.get("phase") == "Ready" and len(pods) == 1 and pods[0].get("ready") is True
 
     return wait_status("rkis", NAME, ns, "1 replica Ready", ok, 600)
+
+
+class Stream(threading.Thread):
+    """One streamed completion of exactly max_tokens tokens (ignore_eos), read as it comes."""
+
+    def __init__(self, url: str, max_tokens: int) -> None:
+        super().__init__(daemon=True)
+        self.url, self.max_tokens = url, max_tokens
+        self.first = threading.Event()  # the first chunk arrived: the request is in flight
+        self.t_first = self.t_end = 0.0
+        self.finish_reason: str | None = None
+        self.completion_tokens = 0
+        self.saw_done = False
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        body = {
+            "model": NAME, "prompt": PROMPTS[0], "max_tokens": self.max_tokens,
+            "temperature": 0.0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True},
+        }  # fmt: skip
+        req = urllib.request.Request(
+            f"{self.url}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                for raw in r:
+                    line = raw.decode().strip()
+                    if not line.startswith("data: "):
+                        continue
+                    if not self.first.is_set():
+                        self.t_first = time.monotonic()
+                        self.first.set()
+                    if line == "data: [DONE]":
+                        self.saw_done = True
+                        continue
+                    doc = json.loads(line[6:])
+                    for c in doc.get("choices") or []:
+                        self.finish_reason = c.get("finish_reason") or self.finish_reason
+                    if doc.get("usage"):
+                        self.completion_tokens = doc["usage"]["completion_tokens"]
+        except BaseException as e:  # reported by the test, not lost in the thread
+            self.error = e
+        finally:
+            self.t_end = time.monotonic()
+            self.first.set()
+
+
+def stream_through_scale_to_zero(url: str, ns: str) -> None:
+    """A stream long enough to be in flight when the pod gets SIGTERM (sized from a
+    short one: about 8 s of decoding) completes whole while the service scales to 0."""
+    wait_until("the Service to accept connections", lambda: accepts(url), 60)
+    probe = Stream(url, 32)
+    probe.run()
+    assert probe.error is None and probe.completion_tokens == 32, probe.error
+    rate = 32 / max(probe.t_end - probe.t_first, 1e-3)
+    n = int(min(4096, max(64, rate * 8)))
+    stream = Stream(url, n)
+    stream.start()
+    assert stream.first.wait(60) and stream.error is None, stream.error
+    (pod,) = pods_of(NAME, ns)
+    scale(ns, 0)
+
+    def terminating() -> bool:
+        return any(
+            p["metadata"]["name"] == pod["metadata"]["name"]
+            and p["metadata"].get("deletionTimestamp")
+            for p in pods_of(NAME, ns)
+        )
+
+    wait_until("the pod terminating", terminating, 60)
+    assert stream.is_alive(), (
+        f"the {n}-token stream ended before the pod was deleted: the test proved nothing"
+    )
+    wait_until("no pods left", lambda: not pods_of(NAME, ns), 180)
+    stream.join(60)
+    assert stream.error is None, stream.error
+    assert (stream.finish_reason, stream.completion_tokens, stream.saw_done) == ("length", n, True)
 
 
 def scale_zero_then_one(ns: str) -> None:
@@ -391,7 +472,10 @@ def test_checkpoint_ready_then_new_replica_restores_with_same_output(
     # The checkpointed pod is back in the Service and still answers the same.
     assert completions(served["url"]) == before
 
-    scale_zero_then_one(op_namespace)
+    # Scaled to zero with a stream in flight: the pod's agent refuses new requests at
+    # SIGTERM and lets that stream finish (--shutdown-drain), whole.
+    stream_through_scale_to_zero(served["url"], op_namespace)
+    scale(op_namespace, 1)
     obj = ready_with(op_namespace, "restored")
     cond = {c["type"]: c for c in obj["status"]["conditions"]}["Restored"]
     assert cond["status"] == "True", cond

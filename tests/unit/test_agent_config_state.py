@@ -108,6 +108,7 @@ def test_every_setting_round_trips_through_agent_argv(monkeypatch: pytest.Monkey
         kv_store_dir="/var/lib/rekindle/kv-store",
         allowed_media_domains="images.example.com,10.0.0.5",
         media_redirects=True,
+        shutdown_drain=12.5,
         keep_resident_mb=256,
         gpu_host_copy_limit_mb=2048,
         vllm_args=["--dtype", "float32", "--seed", "7"],

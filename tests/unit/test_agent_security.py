@@ -33,6 +33,7 @@ RUN = "/tmp/rekindle-agent"
         ("POST", "/v1/chat/completions"),
         ("GET", "/v1/models"),
         ("GET", "/health"),
+        ("GET", "/metrics"),
         ("POST", "/v1/embeddings"),
         ("GET", "/v1/responses/resp_abc-123"),
         ("POST", "/v1/responses/resp_abc.1/cancel"),
@@ -54,7 +55,8 @@ def test_allowlist_forwards_the_inference_api(method: str, path: str) -> None:
         ("POST", "/pause"),
         ("POST", "/update_weights"),
         ("POST", "/start_profile"),
-        ("GET", "/metrics"),
+        ("POST", "/metrics"),
+        ("GET", "/metrics/"),
         ("GET", "/server_info"),
         ("POST", "/v1/completions/"),  # trailing slash
         ("POST", "//v1/completions"),

@@ -23,7 +23,7 @@ from aiohttp.test_utils import TestServer
 from rekindle_agent.agent import Agent
 from rekindle_agent.checkpointing import space
 from rekindle_agent.config import AgentConfig
-from rekindle_agent.serving.server import Proxy, admin_app, proxy_app
+from rekindle_agent.serving.server import Proxy, admin_app, finish_in_flight, proxy_app
 from rekindle_contract import api
 
 TOKEN = b"unit-test-token-0123456789"
@@ -303,3 +303,40 @@ def test_a_checkpoint_that_would_not_fit_is_refused_before_draining(
 ) -> None:
     monkeypatch.setattr(space, "free_bytes", lambda target: 1 << 20)  # 1 MiB free
     asyncio.run(_no_room(tmp_path))
+
+
+async def _stopping(tmp_path: Path) -> None:
+    async with (
+        serving(tmp_path, proxy_timeout=WAIT, shutdown_drain=WAIT) as sv,
+        ClientSession(timeout=ClientTimeout(total=WAIT)) as s,
+    ):
+        held = asyncio.create_task(
+            call(s, "POST", sv.url + "v1/completions", json={"hold": 1}, headers=KEY)
+        )
+        await sv.vllm.wait_arrived(1)
+        stopping = asyncio.create_task(finish_in_flight(sv.agent, sv.proxy))
+        # SIGTERM: a new request is refused at once, retryable, and /readyz fails ...
+        status, text = await call(s, "POST", sv.url + "v1/completions", json={}, headers=KEY)
+        assert status == 503 and "Draining" in text, text
+        assert (await call(s, "GET", sv.admin + "readyz"))[0] == 503
+        assert not stopping.done()  # ... while the one in flight is waited for
+        sv.vllm.release.set()
+        assert await held == (200, '{"choices": [{"text": "ok"}]}')
+        await asyncio.wait_for(stopping, WAIT)
+    async with (
+        serving(tmp_path, proxy_timeout=WAIT, shutdown_drain=0.2) as sv,
+        ClientSession(timeout=ClientTimeout(total=WAIT)) as s,
+    ):
+        held = asyncio.create_task(
+            call(s, "POST", sv.url + "v1/completions", json={"hold": 1}, headers=KEY)
+        )
+        await sv.vllm.wait_arrived(1)
+        # One that cannot finish within --shutdown-drain: given up on, not waited for.
+        await asyncio.wait_for(finish_in_flight(sv.agent, sv.proxy), WAIT)
+        assert sv.proxy.inflight == 1
+        sv.vllm.release.set()
+        await held
+
+
+def test_sigterm_lets_requests_in_flight_finish_and_refuses_new_ones(tmp_path: Path) -> None:
+    asyncio.run(_stopping(tmp_path))

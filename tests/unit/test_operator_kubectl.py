@@ -319,3 +319,32 @@ def test_the_context_picks_server_and_namespace(
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_bench_asks_before_it_disturbs_a_serving_service(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from rekindle_operator import kubectl_plugin as plugin
+
+    class Isvc:
+        def __init__(self, ready: int) -> None:
+            self.ready = ready
+
+        def get(self, kind: str, ns: str, name: str) -> dict[str, Any]:
+            return {"status": {"readyReplicas": self.ready}}
+
+    assert plugin.bench_disturbs(Isvc(0), "ns", "tiny", scale_out=False) == ""
+    said = plugin.bench_disturbs(Isvc(2), "ns", "tiny", scale_out=False)
+    assert "serves 2 ready replica(s)" in said and "scales it to 0" in said
+    assert "cordoned" in plugin.bench_disturbs(Isvc(0), "ns", "tiny", scale_out=True)
+    monkeypatch.setattr(plugin, "_kube", lambda args: Isvc(1))
+    ran: list[str] = []
+    monkeypatch.setattr("rekindle_operator.cluster_bench.run", lambda *a, **k: ran.append("x"))
+    # Not a terminal: refused with how to go on, nothing run.
+    monkeypatch.setattr("sys.stdin.isatty", lambda: False)
+    assert plugin.main(["-n", "ns", "bench", "tiny"]) == plugin.EXIT_USAGE
+    assert "pass --yes" in capsys.readouterr().err and ran == []
+    # A terminal: the answer decides.
+    monkeypatch.setattr("sys.stdin.isatty", lambda: True)
+    monkeypatch.setattr("builtins.input", lambda prompt: "n")
+    assert plugin.main(["-n", "ns", "bench", "tiny"]) == plugin.EXIT_USAGE and ran == []

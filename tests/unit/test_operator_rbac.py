@@ -160,6 +160,8 @@ def operator_calls() -> tuple[set[Grant], set[Grant]]:
             {"coldStart": {"storage": {"type": "hostPath"}}},
             {"coldStart": {"storage": {"type": "node", "node": {"publish": "pvc"}}}},
             {"adminTLS": {"secretName": "tiny-tls"}},
+            {"disruptionBudget": {"maxUnavailable": 1}},  # made
+            {"disruptionBudget": None},  # and removed again
         ):
             body["spec"] = {**body["spec"], **spec}
             reconcile(kube, body, lambda *e: None, Agents(FakeAgent()), settings)

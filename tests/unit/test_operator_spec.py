@@ -6,10 +6,14 @@ import pytest
 from rekindle_agent.config import AgentConfig
 from rekindle_agent.supervision.vllm_launch import vllm_command
 from rekindle_contract.vllm_argv import MANAGED_VLLM_FLAGS
-from rekindle_operator.agent_command import agent_args
+from rekindle_operator import builders
+from rekindle_operator import reconcile as reconcile_mod
+from rekindle_operator.agent_command import agent_args, agent_command
 from rekindle_operator.quantity import mib_str, parse_quantity, to_bytes
 from rekindle_operator.spec import IsvcSpec, SpecError, parse_spec
 from rekindle_operator.spec_fingerprint import spec_fingerprint
+
+from tests.unit.test_operator_checkpointing import FakeKube
 
 
 def parse(**spec: object) -> IsvcSpec:
@@ -58,6 +62,15 @@ def test_restart_annotation_is_carried() -> None:
         ({"resources": {"gpu": {"count": 1}}}, "device is cpu"),
         ({"env": [{"name": "A", "value": "1", "valueFrom": {}}]}, "both value and valueFrom"),
         ({"podTemplate": {"spec": {"initContainers": []}}}, "initContainers is set by"),
+        ({"rollout": {"maxSurge": 0}}, "both 0"),
+        ({"rollout": {"maxSurge": "0%", "maxUnavailable": 0}}, "both 0"),
+        ({"rollout": {"maxUnavailable": "1"}}, "neither a count"),
+        ({"rollout": {"maxSurge": -1}}, "neither a count"),
+        ({"rollout": {"maxSurge": True}}, "neither a count"),
+        ({"terminationGracePeriodSeconds": 3}, "outside 5-3600"),
+        ({"disruptionBudget": {}}, "needs maxUnavailable"),
+        ({"disruptionBudget": {"maxUnavailable": 0}}, "no node could ever be drained"),
+        ({"disruptionBudget": {"maxUnavailable": "0%"}}, "no node could ever be drained"),
     ],
 )
 def test_refusals_name_the_field(spec: dict[str, object], words: str) -> None:
@@ -143,3 +156,39 @@ def test_media_hosts_and_redirects_reach_vllm() -> None:
 def test_a_media_domain_that_is_not_a_host_name_is_refused(host: str) -> None:
     with pytest.raises(SpecError, match="is not a host name"):
         parse(multimodal={"allowedMediaDomains": [host]})
+
+
+def test_rollout_and_grace_reach_the_deployment_and_the_agent() -> None:
+    default = parse()
+    assert (default.max_surge, default.max_unavailable, default.termination_grace_s) == (1, 0, 30)
+    assert "--shutdown-drain" not in agent_command(default)  # 25: the agent's own default
+    s = parse(rollout={"maxSurge": "25%", "maxUnavailable": 1}, terminationGracePeriodSeconds=120)
+    dep = builders.build_deployment(s, 1 << 30, spec_fingerprint(s))
+    assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": "25%", "maxUnavailable": 1}
+    assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 120
+    argv = agent_command(s)
+    assert argv[argv.index("--shutdown-drain") + 1] == "115"
+    short = parse(terminationGracePeriodSeconds=10)
+    assert agent_args(short).shutdown_drain == 8.0  # a fifth of a short grace kept back
+    # Neither changes the vLLM process: checkpoints stay valid across them.
+    assert spec_fingerprint(s) == spec_fingerprint(default)
+
+
+def test_a_disruption_budget_is_owned_applied_and_removed_when_unset() -> None:
+    kube = FakeKube()
+    body = {"metadata": {"name": "x", "namespace": "ns", "uid": "u1"}}
+    with_budget = parse(disruptionBudget={"maxUnavailable": "25%"})
+    reconcile_mod.ensure_disruption_budget(kube, body, with_budget)  # type: ignore[arg-type]
+    pdb = kube.get("PodDisruptionBudget", "ns", "x")
+    assert pdb is not None and pdb["spec"] == {
+        "maxUnavailable": "25%",
+        "selector": {"matchLabels": builders.selector_labels("x")},
+        "unhealthyPodEvictionPolicy": "AlwaysAllow",
+    }
+    assert pdb["metadata"]["ownerReferences"][0]["uid"] == "u1"
+    reconcile_mod.ensure_disruption_budget(kube, body, parse())  # type: ignore[arg-type]
+    assert kube.get("PodDisruptionBudget", "ns", "x") is None
+    # Somebody else's of that name is left alone.
+    kube.put({"kind": "PodDisruptionBudget", "metadata": {"name": "x", "namespace": "ns"}})
+    reconcile_mod.ensure_disruption_budget(kube, body, parse())  # type: ignore[arg-type]
+    assert kube.get("PodDisruptionBudget", "ns", "x") is not None

@@ -247,6 +247,12 @@ def test_serve_port_forwards_only_the_api_and_needs_the_key(sec: Sec) -> None:
     assert code == 200 and "tiny" in text
     code, _ = a.request("GET", "/health", headers=auth)
     assert code == 200
+    # vLLM's own metrics, read-only, for routers and autoscalers (with the key, like the API).
+    code, _ = a.request("GET", "/metrics")
+    assert code == 401
+    code, text = a.request("GET", "/metrics", headers=auth)
+    assert code == 200 and "vllm:num_requests_waiting" in text, text[:300]
+    assert "rekindle_" not in text  # the agent's own families stay on the admin port
     code, _ = a.request("GET", "/v1/completions", headers=auth)
     assert code == 405
     # The weights were never released: the same greedy answers as before.

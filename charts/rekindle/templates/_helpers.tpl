@@ -143,6 +143,10 @@ repository@digest when a digest is set (it wins over the tag), else repository:t
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
   verbs: ["get", "create", "patch"]
+# Each InferenceService's optional PodDisruptionBudget (spec.disruptionBudget).
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["get", "create", "patch", "delete"]
 # kopf posts core v1 Events.
 - apiGroups: [""]
   resources: ["events"]

@@ -82,6 +82,8 @@ class AgentConfig(AgentArgs):
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{flag(name)} must be > 0 seconds")
+        if self.shutdown_drain < 0:
+            raise ConfigError("--shutdown-drain must be >= 0 seconds (0: cut at once)")
         for name in (
             "tensor_parallel_size",
             "prefetch_threads",

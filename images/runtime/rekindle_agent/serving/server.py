@@ -661,6 +661,7 @@ async def serve(agent: Agent, starter: threading.Thread, early_stop: threading.E
     await stop.wait()
     log.info("agent: stopping")
     agent.stopping = True
+    await finish_in_flight(agent, proxy)
     keeper_stop.set()
     if lock is not None:
         lock.release()
@@ -673,6 +674,25 @@ async def serve(agent: Agent, starter: threading.Thread, early_stop: threading.E
     # A boot or restore still running is cut short by killing vLLM's tree.
     await asyncio.to_thread(agent.shutdown)
     await asyncio.to_thread(starter.join, 30)
+
+
+async def finish_in_flight(agent: Agent, proxy: Proxy) -> None:
+    """SIGTERM: new requests are refused at once (503 with Retry-After; /readyz fails, so
+    the endpoint leaves the Service) and those in flight, streams too, may finish within
+    --shutdown-drain seconds; then whatever is left is cut."""
+    if agent.status.state == "Ready":
+        agent.set_state("Draining", "stopping: requests in flight may finish")
+    if proxy.inflight == 0:
+        return
+    log.info("stopping: %d request(s) in flight may finish", proxy.inflight)
+    try:
+        await asyncio.wait_for(proxy.idle.wait(), agent.cfg.shutdown_drain)
+    except TimeoutError:
+        log.warning(
+            "stopping: %d request(s) still running after %gs (--shutdown-drain) are cut",
+            proxy.inflight,
+            agent.cfg.shutdown_drain,
+        )
 
 
 def run(agent: Agent, starter: threading.Thread, early_stop: threading.Event) -> int:

@@ -805,17 +805,20 @@ def _kill_and_restart_during_publish(
 
 
 def _preferred(pod: dict[str, Any]) -> list[str]:
-    """The nodes a pod was released toward (the operator's warm-placement term)."""
+    """The nodes a pod was released toward (the operator's warm-placement terms; a node
+    whose copy is resident too has a second term of the same weight: named once)."""
     terms = ((pod["spec"].get("affinity") or {}).get("nodeAffinity") or {}).get(
         "preferredDuringSchedulingIgnoredDuringExecution"
     ) or []
-    return [
-        v
-        for t in terms
-        if t["weight"] == placement.WARM_WEIGHT
-        for f in t["preference"]["matchFields"]
-        for v in f["values"]
-    ]
+    return sorted(
+        {
+            v
+            for t in terms
+            if t["weight"] == placement.WARM_WEIGHT
+            for f in t["preference"]["matchFields"]
+            for v in f["values"]
+        }
+    )
 
 
 def _locked(entry: Path) -> tuple[int, list[str]]:

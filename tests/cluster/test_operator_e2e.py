@@ -192,20 +192,21 @@ def stream_through_scale_to_zero(url: str, ns: str) -> None:
     stream.start()
     assert stream.first.wait(60) and stream.error is None, stream.error
     (pod,) = pods_of(NAME, ns)
+    name = pod["metadata"]["name"]
     scale(ns, 0)
 
-    def terminating() -> bool:
-        return any(
-            p["metadata"]["name"] == pod["metadata"]["name"]
-            and p["metadata"].get("deletionTimestamp")
-            for p in pods_of(NAME, ns)
-        )
+    def the_pod() -> dict[str, Any] | None:  # pods_of leaves terminating pods out
+        return get("pod", name, ns)
 
-    wait_until("the pod terminating", terminating, 60)
+    wait_until(
+        "the pod terminating",
+        lambda: bool(((the_pod() or {}).get("metadata") or {}).get("deletionTimestamp")),
+        60,
+    )
     assert stream.is_alive(), (
         f"the {n}-token stream ended before the pod was deleted: the test proved nothing"
     )
-    wait_until("no pods left", lambda: not pods_of(NAME, ns), 180)
+    wait_until("the pod gone", lambda: the_pod() is None, 180)
     stream.join(60)
     assert stream.error is None, stream.error
     assert (stream.finish_reason, stream.completion_tokens, stream.saw_done) == ("length", n, True)

@@ -287,8 +287,8 @@ def parse_spec(
             _admin_tls(name, namespace, admin_tls) if spec.get("adminTLS") is not None else None
         ),
         egress_cidrs=_egress(spec.get("egress")),
-        max_surge=_int_or_percent(_get(spec, "rollout"), "maxSurge", 1),
-        max_unavailable=_int_or_percent(_get(spec, "rollout"), "maxUnavailable", 0),
+        max_surge=_int_or_percent(_get(spec, "rollout"), "spec.rollout", "maxSurge", 1),
+        max_unavailable=_int_or_percent(_get(spec, "rollout"), "spec.rollout", "maxUnavailable", 0),
         termination_grace_s=int(spec.get("terminationGracePeriodSeconds", 30)),
         disruption_max_unavailable=_disruption_budget(spec.get("disruptionBudget")),
     )
@@ -299,16 +299,16 @@ def parse_spec(
 PERCENT = re.compile(r"^(100|[1-9]?[0-9])%$")
 
 
-def _int_or_percent(rollout: Mapping[str, Any], key: str, default: int) -> int | str:
-    """spec.rollout.KEY (or spec.disruptionBudget.KEY): a count (>= 0) or a percentage
-    of spec.replicas ("25%")."""
-    value = rollout.get(key, default)
+def _int_or_percent(obj: Mapping[str, Any], where: str, key: str, default: int) -> int | str:
+    """WHERE.KEY (spec.rollout, spec.disruptionBudget): a count (>= 0) or a percentage of
+    spec.replicas ("25%")."""
+    value = obj.get(key, default)
     if isinstance(value, bool) or not (
         (isinstance(value, int) and value >= 0) or (isinstance(value, str) and PERCENT.match(value))
     ):
         raise SpecError(
-            f"spec.rollout/disruptionBudget {key}: {value!r} is neither a count (0 or more) "
-            "nor a percentage (such as 25%)"
+            f"{where}.{key}: {value!r} is neither a count (0 or more) nor a percentage "
+            "(such as 25%)"
         )
     return value
 
@@ -322,7 +322,7 @@ def _disruption_budget(value: object) -> int | str | None:
             "spec.disruptionBudget needs maxUnavailable: how many replicas voluntary "
             "evictions (a node drain) may take out at once, such as 1 or 25%"
         )
-    got = _int_or_percent(value, "maxUnavailable", 1)
+    got = _int_or_percent(value, "spec.disruptionBudget", "maxUnavailable", 1)
     if got in (0, "0%"):
         raise SpecError(
             "spec.disruptionBudget.maxUnavailable is 0: no node could ever be drained; "

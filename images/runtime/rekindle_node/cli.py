@@ -225,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         sockets.run(args.scan_interval)
     finally:
         keeper_stop.set()
+        if resident is not None:  # its vmtouch child runs in a session of its own: kill it
+            resident.lock.release()
         sockets.close()
     return 0
 

@@ -226,6 +226,7 @@ def parse_spec(
     node_st = _get(st, "node")
     api_key = _get(spec, "apiKeySecretRef")
     admin_tls = _get(spec, "adminTLS")
+    rollout = _get(spec, "rollout")
 
     tp = int(spec.get("tensorParallelSize", 1))
     replicas = int(spec.get("replicas", 1))
@@ -287,8 +288,8 @@ def parse_spec(
             _admin_tls(name, namespace, admin_tls) if spec.get("adminTLS") is not None else None
         ),
         egress_cidrs=_egress(spec.get("egress")),
-        max_surge=_int_or_percent(_get(spec, "rollout"), "spec.rollout", "maxSurge", 1),
-        max_unavailable=_int_or_percent(_get(spec, "rollout"), "spec.rollout", "maxUnavailable", 0),
+        max_surge=_int_or_percent(rollout, "spec.rollout", "maxSurge", 1),
+        max_unavailable=_int_or_percent(rollout, "spec.rollout", "maxUnavailable", 0),
         termination_grace_s=int(spec.get("terminationGracePeriodSeconds", 30)),
         disruption_max_unavailable=_disruption_budget(spec.get("disruptionBudget")),
     )

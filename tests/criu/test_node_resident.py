@@ -9,36 +9,19 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Any, cast
 
 import pytest
-from rekindle_contract.manifest import MANIFEST_FORMAT, Manifest
 from rekindle_dev.testenv import require
 from rekindle_node.keep_resident import NodeResidency
-from rekindle_store import manifest_io, node_cache
+from rekindle_store import node_cache
 from rekindle_store.node_cache import NodeCache
 from rekindle_store.resident_lock import locked_bytes
+
+from tests.unit.test_store_node_cache import KEY, publish
 
 pytestmark = pytest.mark.criu
 
 MIB = 1 << 20
-KEY = b"r" * 32
-
-
-def checkpoint(root: Path, pages_mib: int) -> Path:
-    (root / "images").mkdir(parents=True)
-    (root / "images" / "core-1.img").write_bytes(os.urandom(16 << 10))
-    (root / "images" / "pages-1.img").write_bytes(os.urandom(pages_mib * MIB))
-    files = manifest_io.checksum_files(root, manifest_io.list_files(root), threads=2)
-    doc: dict[str, Any] = {
-        "format": MANIFEST_FORMAT,
-        "fingerprint": {},
-        "criu": {},
-        "vllm": {"root_pid": 1},
-        "files": files,
-    }
-    manifest_io.write(root, cast(Manifest, doc), KEY)
-    return root
 
 
 def test_the_newest_checkpoints_are_locked_within_the_budget_and_follow_the_cache(
@@ -46,9 +29,9 @@ def test_the_newest_checkpoints_are_locked_within_the_budget_and_follow_the_cach
 ) -> None:
     require("root", "vmtouch")
     cache = NodeCache(tmp_path / "cache", budget_bytes=1 << 30)
-    old = cache.get(checkpoint(tmp_path / "old", 8), KEY)
+    old = cache.get(publish(tmp_path / "old", os.urandom(8 * MIB)), KEY)
     os.utime(cache.entries / old.entry / node_cache.ENTRY_RECORD, (1, 1))
-    new = cache.get(checkpoint(tmp_path / "new", 8), KEY)
+    new = cache.get(publish(tmp_path / "new", os.urandom(8 * MIB)), KEY)
     keeper = NodeResidency(cache, 12 * MIB)  # the newest whole, the older one's small files
     try:
         assert keeper.follow_once()

@@ -115,6 +115,15 @@ print(" ".join(shlex.quote(d) for d in deps))
 PY
 }
 
+# install_requirements OUTDIR VENV_PATH FILE: the requirements FILE lists, installed
+# into VENV_PATH of an image, laid out under OUTDIR (beside install_project's wheel).
+install_requirements() {
+	local deps_venv
+	deps_venv=$("$REKINDLE_ROOT/scripts/python-env" --deps-path)
+	"$deps_venv/bin/python" -m pip install -q --disable-pip-version-check --no-compile \
+		--ignore-installed --root "$1" --prefix "$2" -r "$3" >&2
+}
+
 # install_project OUTDIR VENV_PATH PACKAGE...: the project, installed as a wheel
 # into VENV_PATH of an image, laid out under OUTDIR (a layer for "/"), with only
 # the import packages named (the operator image ships no agent, neither image

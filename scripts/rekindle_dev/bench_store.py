@@ -1,7 +1,8 @@
 """The object store pull: verified into a node cache vs a plain parallel reader.
 
 A checkpoint-shaped set of files (one large pages file of random bytes, a few
-small ones, a signed manifest) is published once to a real S3-compatible
+small ones, a signed manifest) is published once, plain (one object per file:
+random bytes do not compress), to a real S3-compatible
 server on loopback (SeaweedFS, rekindle_dev.seaweedfs). Then, per trial, in an
 order that alternates between trials, the same bytes are fetched three ways
 with the same ranges (16 MiB) and the same number of requests in flight:
@@ -147,7 +148,9 @@ def run(args: argparse.Namespace) -> int:
         src = make_checkpoint(work / "made", size)
         loc = StoreLocation.of(bucket, "rekindle", "bench", "/checkpoints/bench")
         log(f"publishing {size >> 20} MiB")
-        sent = object_copy.publish(src, loc, args.threads)
+        # Plain objects: the random pages do not compress, and the arms share ranges of one
+        # object per file (bench scale-out measures frames, on a real checkpoint).
+        sent = object_copy.publish(src, loc, args.threads, encoding="plain")
         files = json.loads((src / "manifest.json").read_bytes())["files"]
         jobs = _ranges(loc, files)
         total = sum(f["size"] for f in files)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import pytest
+import zstandard
 from rekindle_contract.manifest import MANIFEST_FORMAT, MANIFEST_NAME, Manifest
 from rekindle_dev.seaweedfs import ACCESS_KEY, SECRET_KEY, SeaweedFS
 from rekindle_store import manifest_io, node_cache, object_copy
@@ -27,14 +28,18 @@ from rekindle_store.verified_copy import CopyError
 pytestmark = pytest.mark.store
 
 KEY = b"k" * 32
-# Three ranges of data around a hole of two whole ranges: the pull writes no zero range.
+# Five parts: random data (stored raw), two of zeroes (a hole: the pull writes neither),
+# a repeated pattern (compressed), a random tail.
 PAGES_SIZE = 4 * PART_BYTES + 12345
 ZERO_SPAN = (PART_BYTES, 3 * PART_BYTES)
+PATTERN_PART = 3
 
 
 def _pages() -> bytes:
     data = bytearray(os.urandom(PAGES_SIZE))
     data[ZERO_SPAN[0] : ZERO_SPAN[1]] = bytes(ZERO_SPAN[1] - ZERO_SPAN[0])
+    start = PATTERN_PART * PART_BYTES
+    data[start : start + PART_BYTES] = os.urandom(4096) * (PART_BYTES // 4096)
     return bytes(data)
 
 
@@ -60,13 +65,13 @@ def _checkpoint(root: Path, pages: bytes, key: bytes = KEY) -> Path:
 
 
 def _published(
-    tmp_path: Path, bucket: Bucket, pages: bytes
+    tmp_path: Path, bucket: Bucket, pages: bytes, encoding: str = "frames"
 ) -> tuple[VerifiedCheckpoint, StoreLocation]:
     """A checkpoint verified into node A's cache and published from there."""
     node_a = NodeCache(tmp_path / "node-a", budget_bytes=1 << 30)
     entry = node_a.get(_checkpoint(tmp_path / "made", pages), KEY)
     loc = StoreLocation.of(bucket, "rekindle", "team-a", "/checkpoints/first-1a2b")
-    sent = object_copy.publish(entry.path, loc, threads=4)
+    sent = object_copy.publish(entry.path, loc, threads=4, encoding=encoding)
     assert (sent.files, sent.bytes) == (4, entry.bytes)
     return entry, loc
 
@@ -80,25 +85,39 @@ def test_a_published_checkpoint_is_pulled_whole_and_checked_into_a_new_node(
 ) -> None:
     pages = _pages()
     entry, loc = _published(tmp_path, bucket, pages)
-    keys = sorted(o.key for o in bucket.list_objects("rekindle/"))
-    assert keys == [
-        "rekindle/team-a/first-1a2b/data/images/core-1.img",
-        "rekindle/team-a/first-1a2b/data/images/empty.img",
-        "rekindle/team-a/first-1a2b/data/images/pages-1.img",
-        "rekindle/team-a/first-1a2b/data/shm/psm_1",
+    # Each part a frame of its own: random parts raw, the pattern compressed, zeroes
+    # and the empty file not stored at all; the layout says which is which.
+    frames = "rekindle/team-a/first-1a2b/frames/"
+    stored = {o.key: o.size for o in bucket.list_objects("rekindle/")}
+    assert sorted(stored) == [
+        f"{frames}images/core-1.img/000000",
+        f"{frames}images/pages-1.img/000000",
+        f"{frames}images/pages-1.img/000003",
+        f"{frames}images/pages-1.img/000004",
+        f"{frames}shm/psm_1/000000",
+        "rekindle/team-a/first-1a2b/layout.json",
         "rekindle/team-a/first-1a2b/manifest.json",
     ]
+    packed = stored[f"{frames}images/pages-1.img/000003"]
+    assert packed < PART_BYTES // 100
+    layout = object_copy.read_layout(loc, entry.manifest).frames
+    assert layout == {
+        "images/core-1.img": [4],
+        "images/empty.img": [],
+        "images/pages-1.img": [PART_BYTES, 0, 0, packed, 12345],
+        "shm/psm_1": [12],
+    }
 
     node_b = _node_b(tmp_path)
     ranges: list[int] = []
     got = node_b.get_from_store(loc, KEY, 4, ranges.append)
     assert got.copied is True and got.entry == entry.entry
-    # Every byte came by ranges of at most PART_BYTES: the big file in 5, the rest 1 each.
+    # Every part was checked on its own: the big file in 5, the rest 1 each.
     assert sum(ranges) == entry.bytes and max(ranges) == PART_BYTES
-    assert len(ranges) == 5 + 2  # (core and psm_1; the empty file needs no range)
+    assert len(ranges) == 5 + 2  # (core and psm_1; the empty file has no part)
     pulled = got.path / "images" / "pages-1.img"
     assert pulled.read_bytes() == pages
-    # The two ranges of zeroes were never written: they are a hole.
+    # The two parts of zeroes were never written: they are a hole.
     assert pulled.stat().st_blocks * 512 <= PAGES_SIZE - (ZERO_SPAN[1] - ZERO_SPAN[0]) + (1 << 20)
     assert (got.path / "images" / "empty.img").read_bytes() == b""
     assert (got.path / MANIFEST_NAME).read_bytes() == (entry.path / MANIFEST_NAME).read_bytes()
@@ -108,25 +127,77 @@ def test_a_published_checkpoint_is_pulled_whole_and_checked_into_a_new_node(
     assert node_b.get_from_store(loc, KEY, 4, again.append).copied is False and not again
 
 
+def test_a_checkpoint_published_plain_is_one_object_per_file_read_by_ranges(
+    tmp_path: Path, bucket: Bucket
+) -> None:
+    """The format before frames (and encoding "plain"): no layout, each file one object."""
+    pages = _pages()
+    entry, loc = _published(tmp_path, bucket, pages, encoding="plain")
+    assert sorted(o.key for o in bucket.list_objects("rekindle/")) == [
+        "rekindle/team-a/first-1a2b/data/images/core-1.img",
+        "rekindle/team-a/first-1a2b/data/images/empty.img",
+        "rekindle/team-a/first-1a2b/data/images/pages-1.img",
+        "rekindle/team-a/first-1a2b/data/shm/psm_1",
+        "rekindle/team-a/first-1a2b/manifest.json",
+    ]
+    node_b = _node_b(tmp_path)
+    ranges: list[int] = []
+    got = node_b.get_from_store(loc, KEY, 4, ranges.append)
+    assert (got.path / "images" / "pages-1.img").read_bytes() == pages
+    assert sum(ranges) == entry.bytes and len(ranges) == 5 + 2
+    # A truncated object: refused by its length, before any digest.
+    node_b.drop(got.entry)
+    bucket.put(loc.data_key("images/pages-1.img"), pages[: PART_BYTES + 5])
+    with pytest.raises(CopyError, match="shorter than the layout or the manifest says"):
+        node_b.get_from_store(loc, KEY, 4)
+    assert node_b.names() == []
+
+
 def test_a_changed_object_is_refused_and_nothing_of_it_is_kept(
     tmp_path: Path, bucket: Bucket
 ) -> None:
     pages = _pages()
     _entry, loc = _published(tmp_path, bucket, pages)
     node_b = _node_b(tmp_path)
-    # Whoever holds the store's credentials rewrites one byte of the big file.
-    evil = bytearray(pages)
-    evil[PAGES_SIZE - 7] ^= 0xFF
-    bucket.put(loc.data_key("images/pages-1.img"), bytes(evil))
-    with pytest.raises(CopyError, match=r"images/pages-1\.img: blake3 digest does not match") as e:
-        node_b.get_from_store(loc, KEY, 4)
-    assert e.value.reason == "checksum_mismatch"
-    assert node_b.names() == [] and not list(node_b.pulls.iterdir())
-    # A truncated object: refused by its length, before any digest.
-    bucket.put(loc.data_key("images/pages-1.img"), pages[: PART_BYTES + 5])
-    with pytest.raises(CopyError, match="shorter than the manifest says"):
-        node_b.get_from_store(loc, KEY, 4)
-    assert node_b.names() == []
+    tail = loc.frame_key("images/pages-1.img", 4)
+    packed = loc.frame_key("images/pages-1.img", PATTERN_PART)
+
+    def refused(match: str) -> None:
+        with pytest.raises(CopyError, match=match) as e:
+            node_b.get_from_store(loc, KEY, 4)
+        assert e.value.reason == "checksum_mismatch"
+        assert node_b.names() == [] and not list(node_b.pulls.iterdir())
+
+    # Whoever holds the store's credentials rewrites one byte of a raw frame,
+    evil = bytearray(pages[4 * PART_BYTES :])
+    evil[-7] ^= 0xFF
+    bucket.put(tail, bytes(evil))
+    refused(r"images/pages-1\.img: blake3 digest does not match")
+    bucket.put(tail, pages[4 * PART_BYTES :])
+    # or replaces a compressed frame by garbage,
+    original, layout_doc = bucket.get(packed), bucket.get(loc.layout_key)
+    bucket.put(packed, os.urandom(len(original)))
+    refused(r"000003: not a zstd frame of ours")
+    # or by a frame of its own that decodes to a whole part, with a layout to match,
+    other = zstandard.ZstdCompressor().compress(bytes(PART_BYTES - 1) + b"x")
+    _set_frame_length(bucket, loc, PATTERN_PART, len(other))
+    bucket.put(packed, other)
+    refused(r"images/pages-1\.img: blake3 digest does not match")
+    bucket.put(packed, original)
+    bucket.put(loc.layout_key, layout_doc)
+    # or truncates a frame,
+    bucket.put(tail, pages[4 * PART_BYTES : 4 * PART_BYTES + 5])
+    refused(r"000004: 5 bytes where 12345 were expected")
+    bucket.put(tail, pages[4 * PART_BYTES :])
+    # or makes the layout lie (a part of data said to be zeroes).
+    _set_frame_length(bucket, loc, 0, 0)
+    refused(r"images/pages-1\.img: blake3 digest does not match")
+
+
+def _set_frame_length(bucket: Bucket, loc: StoreLocation, part: int, length: int) -> None:
+    layout = json.loads(bucket.get(loc.layout_key))
+    layout["frames"]["images/pages-1.img"][part] = length
+    bucket.put(loc.layout_key, json.dumps(layout).encode())
 
 
 def test_a_checkpoint_signed_by_another_fleet_is_refused_before_any_data(

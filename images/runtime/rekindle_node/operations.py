@@ -305,6 +305,7 @@ class Operations:
             return {
                 "checkpoint": entry.entry,
                 "bytes": sent.bytes,
+                "stored": sent.stored,
                 "seconds": sent.seconds,
                 "where": str(loc),
             }

@@ -2,15 +2,21 @@
 
 One published checkpoint under the store's prefix:
 
-    PREFIX/NAMESPACE/NAME/data/PATH       each file its manifest lists
+    PREFIX/NAMESPACE/NAME/frames/PATH/N   part N (PART_BYTES each) of each file its manifest
+                                          lists, as a frame (frames.py: compressed, raw, or
+                                          not stored at all for a part of zeroes)
+    PREFIX/NAMESPACE/NAME/layout.json     each file's frame lengths: what to fetch, how to decode
     PREFIX/NAMESPACE/NAME/manifest.json   written last: the checkpoint exists once it does
+
+A checkpoint published with encoding "plain" (and every one published before
+frames) has no layout: each file is one object, PREFIX/NAMESPACE/NAME/data/PATH.
 
 The store is a transport, never trusted: whoever holds its credentials can
 change any object. A pull therefore reads the manifest first (bounded, checked
-against the fleet's signing key), then every listed file with parallel ranged
-GETs; each range is received straight into the staging file's mapping (a
-root-only staging directory; socket to page cache, no copy in between) and
-hashed in file order as soon as the ranges before it are in, so a file is
+against the fleet's signing key), then every listed file with parallel GETs, one
+per part (a frame, or a range of a plain object); each is received or decoded
+straight into the staging file's mapping (a root-only staging directory; no copy
+in between) and hashed in file order as soon as the ranges before it are in, so a file is
 verified the moment its last byte lands and nothing unverified ever leaves
 staging. An interrupted pull (the node agent restarted, the store went away)
 resumes: a journal records how far each file was verified; on the next pull of
@@ -33,13 +39,18 @@ from pathlib import Path
 
 from rekindle_contract.manifest import MANIFEST_NAME, VERIFIED_NAME, FileEntry, Manifest
 
-from rekindle_store import digests, manifest_io
+from rekindle_store import digests, frames, manifest_io
 from rekindle_store.s3 import Bucket, S3Error
 from rekindle_store.verified_copy import CREATE_NEW, CopyError, CopyResult, expected_digest
 
-PART_BYTES = 16 << 20  # one ranged GET, one part of a multipart upload
+PART_BYTES = 16 << 20  # one frame, one ranged GET, one part of a multipart upload
 JOURNAL = ".pull.json"
 DATA = "data"
+FRAMES = "frames"
+LAYOUT_NAME = "layout.json"
+LAYOUT_FORMAT = "rekindle-store-layout/1"
+MAX_LAYOUT_BYTES = 8 << 20
+ENCODINGS = ("frames", "plain")
 DONE = -1  # a journal's mark for a file fetched whole and checked
 _OPEN_STAGED = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
 _ZERO_PART = bytes(PART_BYTES)
@@ -66,18 +77,46 @@ class StoreLocation:
     def manifest_key(self) -> str:
         return self.prefix + MANIFEST_NAME
 
+    @property
+    def layout_key(self) -> str:
+        return self.prefix + LAYOUT_NAME
+
     def data_key(self, rel: str) -> str:
+        """File rel as one object (a checkpoint published plain)."""
         return f"{self.prefix}{DATA}/{rel}"
 
+    def frame_key(self, rel: str, index: int) -> str:
+        """Part index (from 0) of file rel."""
+        return f"{self.prefix}{FRAMES}/{rel}/{index:06d}"
+
+    def url(self, key: str) -> str:
+        """key as people read it in an error: endpoint/bucket/key."""
+        return f"{self.bucket.endpoint}/{self.bucket.bucket}/{key}"
+
     def __str__(self) -> str:
-        return f"{self.bucket.endpoint}/{self.bucket.bucket}/{self.prefix}"
+        return self.url(self.prefix)
 
 
 @dataclass(frozen=True)
 class Published:
     files: int
-    bytes: int
+    bytes: int  # the checkpoint's
+    stored: int  # what the store holds for them (frames: compressed, zeroes left out)
     seconds: float
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How each file of a published checkpoint is stored: its frames' lengths, in order
+    (None for a checkpoint published plain). Read from the store: never trusted, only
+    followed (a wrong length makes a frame decode wrong, and the digest refuses it)."""
+
+    frames: dict[str, list[int]] | None
+
+    def to_json(self) -> bytes:
+        return json.dumps(
+            {"format": LAYOUT_FORMAT, "part_bytes": PART_BYTES, "frames": self.frames}
+        ).encode()
 
 
 def _store_error(e: S3Error, where: str) -> CopyError:
@@ -91,21 +130,68 @@ def _store_error(e: S3Error, where: str) -> CopyError:
 # -- publish -------------------------------------------------------------------------
 
 
-def publish(entry: Path, loc: StoreLocation, threads: int = 8) -> Published:
+def publish(
+    entry: Path, loc: StoreLocation, threads: int = 8, encoding: str = "frames"
+) -> Published:
     """Upload the verified checkpoint directory entry to loc, its manifest last.
 
-    Small files go up whole, large ones as multipart uploads; every PUT (a file
-    or a part) runs on one pool of threads. Refused (CopyError "exists") when
-    loc holds a checkpoint already: one is published once, so a pull never
-    mixes two.
+    encoding "frames" (the default): every part of every file is encoded (frames.py)
+    and PUT as an object of its own, then the layout; "plain": each file one object
+    (large ones as multipart uploads), as checkpoints were published before frames.
+    Every PUT runs on one pool of threads. Refused (CopyError "exists") when loc holds
+    a checkpoint already: one is published once, so a pull never mixes two.
     """
+    if encoding not in ENCODINGS:
+        raise CopyError(
+            "bad_request", f"{encoding!r}: not a store encoding ({', '.join(ENCODINGS)})"
+        )
     t0 = time.monotonic()
     raw = (entry / MANIFEST_NAME).read_bytes()
     files: list[FileEntry] = json.loads(raw).get("files", [])
-    uploads: dict[str, str] = {}  # key -> multipart upload id
     try:
         if loc.bucket.head(loc.manifest_key) is not None:
             raise CopyError("exists", f"{loc}: a checkpoint is published there already")
+        if encoding == "frames":
+            stored = _put_frames(entry, loc, files, threads)
+        else:
+            stored = _put_plain(entry, loc, files, threads)
+        loc.bucket.put(loc.manifest_key, raw)
+    except S3Error as e:
+        raise _store_error(e, str(loc)) from e
+    size = sum(f["size"] for f in files)
+    return Published(len(files), size, stored, time.monotonic() - t0)
+
+
+def _put_frames(entry: Path, loc: StoreLocation, files: list[FileEntry], threads: int) -> int:
+    """Encode and PUT every part of every file, then the layout; the bytes stored."""
+    jobs = [(f["path"], n) for f in files for n in range(_part_count(f["size"]))]
+
+    def one(job: tuple[str, int]) -> int:
+        rel, n = job
+        with open(entry / rel, "rb") as fh:
+            fh.seek(n * PART_BYTES)
+            frame = frames.encode(memoryview(fh.read(PART_BYTES)))
+        if frame:
+            loc.bucket.put(loc.frame_key(rel, n), frame)
+        return len(frame)
+
+    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="publish") as pool:
+        lengths = list(pool.map(one, jobs))
+    layout: dict[str, list[int]] = {f["path"]: [] for f in files}
+    for (rel, _n), length in zip(jobs, lengths, strict=True):
+        layout[rel].append(length)  # jobs hold each file's parts in order
+    loc.bucket.put(loc.layout_key, Layout(layout).to_json())
+    return sum(lengths)
+
+
+def _part_count(size: int) -> int:
+    return -(-size // PART_BYTES)
+
+
+def _put_plain(entry: Path, loc: StoreLocation, files: list[FileEntry], threads: int) -> int:
+    """PUT each file as one object (multipart when large); the bytes stored."""
+    uploads: dict[str, str] = {}  # key -> multipart upload id
+    try:
         jobs: list[tuple[str, Path, int, int]] = []  # (key, file, part number or 0, offset)
         for f in files:
             key, path = loc.data_key(f["path"]), entry / f["path"]
@@ -123,15 +209,11 @@ def publish(entry: Path, loc: StoreLocation, threads: int = 8) -> Published:
         for key, upload in uploads.items():
             loc.bucket.finish_upload(key, upload, parts[key])
         uploads.clear()
-        loc.bucket.put(loc.manifest_key, raw)
-    except S3Error as e:
-        raise _store_error(e, str(loc)) from e
     finally:
         for key, upload in uploads.items():  # left unfinished: free the server's parts
             with contextlib.suppress(S3Error):
                 loc.bucket.abort_upload(key, upload)
-    size = sum(f["size"] for f in files)
-    return Published(files=len(files), bytes=size, seconds=time.monotonic() - t0)
+    return sum(f["size"] for f in files)
 
 
 def _parts(size: int) -> Iterator[tuple[int, int]]:
@@ -174,6 +256,36 @@ def read_manifest(
         return manifest_io.parse(raw, f"{loc}{MANIFEST_NAME}", key, run_dir), raw
     except manifest_io.ManifestError as e:
         raise CopyError(e.reason, str(e)) from e
+
+
+def read_layout(loc: StoreLocation, manifest: Manifest) -> Layout:
+    """How loc's files are stored (no layout object: published plain), checked to
+    describe exactly the files manifest lists, with lengths a part can have."""
+    try:
+        raw = loc.bucket.get(loc.layout_key, limit=MAX_LAYOUT_BYTES)
+    except S3Error as e:
+        if e.status == 404:
+            return Layout(None)
+        raise _store_error(e, str(loc)) from e
+    where = f"{loc}{LAYOUT_NAME}"
+    try:
+        doc = json.loads(raw)
+        lengths = {str(k): [int(n) for n in v] for k, v in dict(doc["frames"]).items()}
+        fmt, part = doc["format"], doc["part_bytes"]
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise CopyError("store_error", f"{where}: not a layout: {e}") from e
+    if fmt != LAYOUT_FORMAT or part != PART_BYTES:
+        raise CopyError("store_error", f"{where}: format {fmt!r}, parts of {part}: not ours")
+    for f in manifest.get("files", []):
+        got, size = lengths.get(f["path"]), f["size"]
+        want = [min(PART_BYTES, size - off) for off in range(0, size, PART_BYTES)]
+        if (
+            got is None
+            or len(got) != len(want)
+            or any(not 0 <= n <= w for n, w in zip(got, want, strict=True))
+        ):
+            raise CopyError("store_error", f"{where}: {f['path']}: frames do not fit its size")
+    return Layout(lengths)
 
 
 @dataclass
@@ -251,6 +363,7 @@ def pull_files(
     (the store's bytes are not what was signed; that file's progress is dropped).
     """
     t0 = time.monotonic()
+    layout = read_layout(loc, manifest)
     stage.mkdir(mode=0o700, exist_ok=True)
     journal = _Journal(stage, boot)
     entries = sorted(manifest.get("files", []), key=lambda e: -e["size"])
@@ -262,7 +375,7 @@ def pull_files(
             window: deque[tuple[_FileState, int, Future[int]]] = deque()
             for st, start, end in _ranges(states.values()):
                 st.map()
-                window.append((st, start, pool.submit(_fetch, loc, st, start, end)))
+                window.append((st, start, pool.submit(_fetch, loc, layout, st, start, end)))
                 if len(window) > threads * 2:
                     _consume(window.popleft(), journal, loc, on_progress)
             while window:
@@ -330,19 +443,45 @@ def _ranges(states: Iterable[_FileState]) -> Iterator[tuple[_FileState, int, int
             yield st, start, min(start + PART_BYTES, size)
 
 
-def _fetch(loc: StoreLocation, st: _FileState, start: int, end: int) -> int:
-    """Receive bytes [start, end) of st's object into its mapping; how many came."""
+def _fetch(loc: StoreLocation, layout: Layout, st: _FileState, start: int, end: int) -> int:
+    """Receive bytes [start, end) of st's file into its mapping; how many came."""
+    rel = st.entry["path"]
     view = st.map()[start:end]
     try:
-        got = loc.bucket.get_into(loc.data_key(st.entry["path"]), start, view)
+        if layout.frames is None:
+            key, length = loc.data_key(rel), end - start
+            got = loc.bucket.get_into(key, start, view)
+        else:
+            key, length = (
+                loc.frame_key(rel, start // PART_BYTES),
+                layout.frames[rel][start // PART_BYTES],
+            )
+            got = _fetch_frame(loc, key, length, view)
     finally:
         view.release()
-    if got != end - start:
+    if got != length:
         raise CopyError(
             "checksum_mismatch",
-            f"{loc}{DATA}/{st.entry['path']}: {got} bytes at {start}, "
-            f"{end - start} expected (the object is shorter than the manifest says)",
+            f"{loc.url(key)}: {got} bytes where {length} were expected "
+            "(the object is shorter than the layout or the manifest says)",
         )
+    return end - start
+
+
+def _fetch_frame(loc: StoreLocation, key: str, length: int, out: memoryview) -> int:
+    """Fetch key, a frame of length bytes, and decode it into out; the frame's bytes
+    that came (a raw frame is received straight into out, zeroes not at all)."""
+    if length == 0:  # zeroes: out is a hole already
+        return 0
+    if length == len(out):
+        return loc.bucket.get_into(key, 0, out)
+    frame = bytearray(length)
+    got = loc.bucket.get_into(key, 0, memoryview(frame))
+    if got == length:
+        try:
+            frames.decode_into(memoryview(frame), out)
+        except frames.FrameError as e:
+            raise CopyError("checksum_mismatch", f"{loc.url(key)}: {e}") from e
     return got
 
 
@@ -390,7 +529,7 @@ def _finish_file(st: _FileState, loc: StoreLocation, journal: _Journal) -> None:
     if st.hasher.hexdigest() != st.want:
         journal.record(rel, 0)
         raise CopyError(
-            "checksum_mismatch", f"{loc}{DATA}/{rel}: {st.algo} digest does not match the manifest"
+            "checksum_mismatch", f"{loc}{rel}: {st.algo} digest does not match the manifest"
         )
     os.fchmod(st.fd, 0o444)
     journal.record(rel, DONE)

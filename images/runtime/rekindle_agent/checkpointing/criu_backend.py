@@ -394,7 +394,11 @@ class NodeAgent(CriuBackend):
             log.warning("checkpoint %s not published (only this node has it): %s", ckpt, e)
             return f"not published, only this node has it: {e}"
         where = answer.get("where") or ckpt
-        return f"published to {where} ({answer.get('bytes')} bytes, {answer.get('seconds'):.1f} s)"
+        stored = f", {answer['stored']} stored" if "stored" in answer else ""
+        return (
+            f"published to {where} ({answer.get('bytes')} bytes{stored}, "
+            f"{answer.get('seconds'):.1f} s)"
+        )
 
     def unpublish(self, ckpt: str) -> dict[str, Any]:
         """Have the node agent delete the published copy of ckpt from its object store."""

@@ -19,9 +19,11 @@ The residency of the checkpoint files each arm reads is recorded before its tria
 One disk holds the store and both nodes here (a fleet's nodes each have their own),
 so before every arm the machine's dirty pages are written back (sync) and what was
 left is recorded: no arm pays for an earlier one's writes. Beside each pull, a plain
-parallel reader (rekindle_dev.store_read: same ranges, same requests in flight,
-bytes dropped) reads the same checkpoint's objects from the second node's network
-namespace: the limit a pull meets on this machine (issue 24: within 1.5x of it).
+parallel reader (rekindle_dev.store_read: one GET per object, as the pull makes
+one per frame, same requests in flight, bytes dropped) reads the same checkpoint's
+objects (its frames: the compressed bytes a pull receives) from the second node's
+network namespace: the limit a pull meets on this machine (issue 24: within 1.5x of
+it). A pull also decodes and hashes what it receives; the reader does neither.
 Needs `scripts/local-cluster up --nodes 2` and `make images` (root: it reads the
 nodes' caches and the store's files on this machine to warm them).
 
@@ -157,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
         service(ns)
         ck = na.checkpoint(kube, ns)
         log(f"checkpoint {ck['path']} on {ck.get('node')}, published to {endpoint}")
-        data = f"{STORE_PREFIX}/{ns}/{Path(ck['path']).name}/data/"
+        data = f"{STORE_PREFIX}/{ns}/{Path(ck['path']).name}/"  # frames, layout, manifest
         na.kubectl("scale", f"rkis/{NAME}", "-n", ns, f"--replicas={args.replicas}")
         na.wait(f"{args.replicas} replicas Ready", lambda: _ready(kube, ns, args.replicas), 600)
         na.kubectl("uncordon", NODE2)
@@ -256,6 +258,8 @@ def plain_read(endpoint: str, prefix: str, creds: Credentials) -> dict[str, Any]
     if res.returncode != 0:
         raise SystemExit(f"the plain reader failed: {res.stderr.strip()[-2000:]}")
     got: dict[str, Any] = json.loads(res.stdout)
+    if not got["bytes"]:
+        raise SystemExit(f"the plain reader found nothing under {prefix} at {endpoint}")
     log(f"plain parallel read from {NODE2}: {got['bytes']} bytes in {got['seconds']:.2f}s")
     return got
 
@@ -340,6 +344,7 @@ def pull_line(trials: list[dict[str, Any]]) -> str:
     per = ", ".join(f"{p:.2f} / {r:.2f}" for p, r, _b in rows)
     return (
         f"\nThe pull against a plain parallel reader of the same {rows[0][2] / 2**30:.2f} GiB "
+        "stored (the checkpoint's frames, layout and manifest: what a pull receives) "
         f"from the second node (issue 24: within 1.5x): pull phase / plain read, median "
         f"{statistics.median(ratios):.2f}x (per trial, s: {per}).\n"
     )

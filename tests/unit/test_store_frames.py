@@ -42,15 +42,40 @@ def test_a_part_that_does_not_compress_is_stored_raw() -> None:
     assert _decoded(frame, PART) == part
 
 
+def test_a_mostly_zero_part_writes_only_its_data_pages() -> None:
+    """Its zero pages are never written: they stay holes in the staging file (shown
+    here by a buffer of 0xff that keeps them)."""
+    part = bytearray(PART)
+    part[5 * 4096 + 7] = 1  # one page of data, and a run of two at the end
+    part[-2 * 4096 :] = os.urandom(2 * 4096)
+    frame = frames.encode(memoryview(part))
+    assert len(frame) * frames.SPARSE <= PART
+    out = bytearray(b"\xff" * PART)
+    frames.decode_into(memoryview(frame), memoryview(out))
+    data = {5, PART // 4096 - 2, PART // 4096 - 1}
+    for n in range(PART // 4096):
+        page = out[n * 4096 : (n + 1) * 4096]
+        assert page == (part[n * 4096 : (n + 1) * 4096] if n in data else b"\xff" * 4096), n
+
+
 def test_a_frame_that_decodes_to_another_length_is_refused() -> None:
-    part = os.urandom(512) * 64
-    frame = zstandard.ZstdCompressor().compress(part)
-    with pytest.raises(frames.FrameError, match=f"decodes to {len(part)} bytes, {len(part) + 1}"):
-        _decoded(frame, len(part) + 1)
+    dense = os.urandom(PART // 4) * 4  # compresses 4x: decoded straight into the part
+    frame = zstandard.ZstdCompressor().compress(dense)
+    assert len(frame) * frames.SPARSE > PART
+    with pytest.raises(frames.FrameError, match=f"decodes to {PART} bytes, {PART + 1} expected"):
+        _decoded(frame, PART + 1)
     with pytest.raises(frames.FrameError, match="decodes to more bytes"):
-        _decoded(frame, len(part) - 1)
+        _decoded(frame, PART - 1)
     with pytest.raises(frames.FrameError, match="decodes to more bytes"):  # a second frame after
-        _decoded(frame + frame, len(part))
+        _decoded(frame + frame, PART)
+    sparse = zstandard.ZstdCompressor().compress(bytes(PART - 1) + b"x")
+    with pytest.raises(frames.FrameError, match=f"decodes to {PART} bytes, {PART + 1} expected"):
+        _decoded(sparse, PART + 1)
+    with pytest.raises(frames.FrameError, match="not a zstd frame of ours"):  # data after it
+        _decoded(sparse + sparse, PART)
+    unsized = zstandard.ZstdCompressor(write_content_size=False).compress(bytes(PART))
+    with pytest.raises(frames.FrameError, match=f"decodes to no size, {PART} expected"):
+        _decoded(unsized, PART)
 
 
 def test_garbage_or_an_oversized_frame_is_refused() -> None:

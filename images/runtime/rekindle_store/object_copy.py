@@ -324,12 +324,20 @@ def journal_boot(stage: Path) -> str | None:
 
 
 class _Journal:
-    """How far each file of a pull was verified, on the local disk beside the files."""
+    """How far each file of a pull was verified, on the local disk beside the files.
+
+    Rewritten in place after every part (a pwrite of the whole record, padded with
+    spaces to the longest one yet, which JSON ignores): a rename over the old one
+    costs a forced writeback each time on ext4 (7 ms here, 1.8 s of a 2 GB pull).
+    A record torn by a crash fails to parse and the pull starts over: safe, since
+    the journal only ever shortens what a pull trusts."""
 
     def __init__(self, stage: Path, boot: str) -> None:
         self.path = stage / JOURNAL
         self.boot = boot
         self.done: dict[str, int] = {}
+        self.fd = -1
+        self.length = 0
         try:
             doc = json.loads(self.path.read_text())
         except (OSError, ValueError):
@@ -339,9 +347,17 @@ class _Journal:
 
     def record(self, rel: str, verified: int) -> None:
         self.done[rel] = verified
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"boot_id": self.boot, "verified": self.done}))
-        os.replace(tmp, self.path)
+        data = json.dumps({"boot_id": self.boot, "verified": self.done}).encode()
+        if self.fd < 0:
+            self.path.unlink(missing_ok=True)
+            self.fd = os.open(self.path, _OPEN_STAGED | os.O_CREAT | os.O_EXCL, 0o600)
+        self.length = max(self.length, len(data))
+        os.pwrite(self.fd, data.ljust(self.length), 0)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def pull_files(
@@ -387,6 +403,7 @@ def pull_files(
     finally:
         for st in states.values():
             st.close()
+        journal.close()
     _write_once(stage / MANIFEST_NAME, raw)
     if signed and isinstance(manifest.get("verified"), dict):
         record = json.dumps(manifest["verified"], sort_keys=True) + "\n"

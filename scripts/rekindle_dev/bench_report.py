@@ -936,16 +936,23 @@ ratios are smaller than earlier ones for the same restore.
 One disk holds the store and both nodes here, so the bench writes the
 machine's dirty pages back before every arm (a fleet's nodes each have their
 own disk) and records what was left. Beside each pull, a plain parallel reader
-(`rekindle_dev.store_read`: the same objects, ranges and requests in flight,
-bytes dropped) reads the checkpoint from the second node's network namespace:
-the limit a pull meets through the cluster's network and the store's pod. The
-pull arm misses its 5x target: the store gives the second node about 2 GiB in
-6 s here (the plain reader; a SeaweedFS on loopback gives the same bytes in
-about 2), and a new pod's start and the restore add about 4 s more, so even a
-pull at the plain reader's pace would stay under 5x. What would close it is a
-pull that overlaps the restore (CRIU's images and memory pages first, the
-weight dump while CRIU restores), not built yet.
+(`rekindle_dev.store_read`: the same objects, one GET each, the same requests in
+flight, bytes dropped) reads the checkpoint's objects from the second node's
+network namespace: the limit the transport sets through the cluster's network
+and the store's pod.
 
+Checkpoints are published as frames (docs/node-agent.md, "Publish"): the CPU
+demo's 2.19 GB checkpoint is stored in about 0.36 GiB (vLLM's pages compress
+about 4x with zstd, its /dev/shm files are mostly zeroes and not stored). Results
+made before frames read the plain 2.19 GB: their pull phase was about 10 s
+against 7 s for the plain reader of those bytes. With frames the store is no
+longer the limit: the reader takes under 1 s, and the pull spends its 4-5 s on
+this machine's two cores decoding 1.85 GB of pages and hashing 2.2 GB (the
+pull's own work, which the reader does not do; on a node with more cores the
+decoding spreads over the pull's threads). The pull arm still misses its 5x
+target narrowly here: a new pod's start (about 2.3 s, as in the cached arm) and
+the restore (about 0.9 s) come on top of the pull. A pull that overlaps the
+pod's start or the restore would close it; not built yet.
 """
 
 

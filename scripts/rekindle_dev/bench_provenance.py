@@ -55,6 +55,12 @@ MEASURED_BY: dict[str, tuple[str, ...]] = {
     ),
     "cluster-up": ("scripts/local-cluster", "scripts/build-kubernetes", "scripts/bench-cluster-up"),
     "store": (_DEV + "bench_store.py", _DEV + "seaweedfs.py", "scripts/build-seaweedfs"),
+    "proxy": (
+        _DEV + "bench_proxy.py",
+        _DEV + "harness.py",
+        _DEV + "models.py",
+        "images/runtime/rekindle_agent/serving",
+    ),
     "gpu": (
         _DEV + "gpu_probe.py",
         _DEV + "cuda_checkpoint_cli.py",

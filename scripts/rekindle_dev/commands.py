@@ -37,6 +37,7 @@ from rekindle_dev import (
     bench_local,
     bench_mm,
     bench_node_agent,
+    bench_proxy,
     bench_report,
     bench_scale_out,
     bench_store,
@@ -136,6 +137,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     kv = bsub.add_parser("kv", help="KV reuse across chat turns: TTFT, prefix caching on vs off")
     bench_kv.add_arguments(kv)
     kv.set_defaults(func=bench_kv.run)
+    proxy = bsub.add_parser(
+        "proxy", help="the serving path through the agent vs straight to vLLM, same replica"
+    )
+    bench_proxy.add_arguments(proxy)
+    proxy.set_defaults(func=bench_proxy.run)
     lad = bsub.add_parser("ladder", help="naive boot vs restore at 0.5B/1.5B/3B parameters")
     bench_ladder.add_arguments(lad)
     lad.set_defaults(func=bench_ladder.run)

@@ -57,6 +57,7 @@ def agent_args(spec: IsvcSpec) -> AgentArgs:
         allowed_media_domains=",".join(spec.mm_allowed_media_domains) or None,
         media_redirects=spec.mm_media_redirects,
         shutdown_drain=shutdown_drain(spec.termination_grace_s),
+        proxy_max_concurrency=spec.max_concurrent_requests,
         vllm_args=list(spec.vllm_args),
     )
 

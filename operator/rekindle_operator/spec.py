@@ -174,6 +174,9 @@ class IsvcSpec:
     termination_grace_s: int = 30
     # spec.disruptionBudget.maxUnavailable: an owned PodDisruptionBudget (None: none).
     disruption_max_unavailable: int | str | None = None
+    # spec.maxConcurrentRequests: requests each pod's serve port forwards to vLLM at once
+    # (the agent's --proxy-max-concurrency; beyond it 429 with Retry-After).
+    max_concurrent_requests: int = 256
 
     @property
     def mm_cache_undecided(self) -> bool:
@@ -292,10 +295,13 @@ def parse_spec(
         max_unavailable=_int_or_percent(rollout, "spec.rollout", "maxUnavailable", 0),
         termination_grace_s=int(spec.get("terminationGracePeriodSeconds", 30)),
         disruption_max_unavailable=_disruption_budget(spec.get("disruptionBudget")),
+        max_concurrent_requests=int(spec.get("maxConcurrentRequests", 256)),
     )
     validate(out)
     return out
 
+
+MAX_CONCURRENT_REQUESTS = 65536
 
 PERCENT = re.compile(r"^(100|[1-9]?[0-9])%$")
 
@@ -344,6 +350,11 @@ def _validate_rollout(s: IsvcSpec) -> None:
         raise SpecError(
             f"spec.terminationGracePeriodSeconds: {s.termination_grace_s} is outside 5-3600: "
             "a stopping pod needs a few seconds to let requests in flight finish"
+        )
+    if not 1 <= s.max_concurrent_requests <= MAX_CONCURRENT_REQUESTS:
+        raise SpecError(
+            f"spec.maxConcurrentRequests: {s.max_concurrent_requests} is outside "
+            f"1-{MAX_CONCURRENT_REQUESTS}: a pod forwards at least one request at once"
         )
 
 

@@ -95,6 +95,7 @@ def test_negative_replicas_refused(namespace: str) -> None:
         ({"rollout": {"maxSurge": 0}}, "may not both be 0"),  # maxUnavailable's default is 0
         ({"rollout": {"maxSurge": "150%"}}, "a count (0 or more) or a percentage"),
         ({"terminationGracePeriodSeconds": 2}, "greater than or equal to 5"),
+        ({"maxConcurrentRequests": 0}, "greater than or equal to 1"),
     ],
 )
 def test_other_refusals(namespace: str, spec: dict[str, Any], words: str) -> None:

@@ -68,6 +68,7 @@ def test_restart_annotation_is_carried() -> None:
         ({"rollout": {"maxSurge": -1}}, "neither a count"),
         ({"rollout": {"maxSurge": True}}, "neither a count"),
         ({"terminationGracePeriodSeconds": 3}, "outside 5-3600"),
+        ({"maxConcurrentRequests": 0}, r"maxConcurrentRequests: 0 is outside 1-65536"),
         ({"disruptionBudget": {}}, "needs maxUnavailable"),
         ({"disruptionBudget": {"maxUnavailable": 0}}, "no node could ever be drained"),
         ({"disruptionBudget": {"maxUnavailable": "0%"}}, "no node could ever be drained"),
@@ -172,6 +173,16 @@ def test_rollout_and_grace_reach_the_deployment_and_the_agent() -> None:
     assert agent_args(short).shutdown_drain == 8.0  # a fifth of a short grace kept back
     # Neither changes the vLLM process: checkpoints stay valid across them.
     assert spec_fingerprint(s) == spec_fingerprint(default)
+
+
+def test_the_concurrency_cap_reaches_the_agent_and_keeps_checkpoints_valid() -> None:
+    default = parse()
+    assert default.max_concurrent_requests == 256
+    assert "--proxy-max-concurrency" not in agent_command(default)  # the agent's own default
+    s = parse(maxConcurrentRequests=32)
+    argv = agent_command(s)
+    assert argv[argv.index("--proxy-max-concurrency") + 1] == "32"
+    assert spec_fingerprint(s) == spec_fingerprint(default)  # the proxy's, not vLLM's
 
 
 def test_a_disruption_budget_is_owned_applied_and_removed_when_unset() -> None:

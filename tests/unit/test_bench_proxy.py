@@ -36,4 +36,4 @@ def test_the_proxy_is_measured_against_the_same_trials_direct_arm() -> None:
     # Proxy CPU: trial 0 0.9 s for 900 requests, trial 1 0.9 s for 990: 1.0 and 0.909 ms.
     assert round(row["proxy_cpu_ms_per_request"], 3) == round((1.0 + 0.9 / 0.99) / 2, 3)
     (line,) = bench_proxy.verdict([row])
-    assert "+1.25 ms at p50 with 4 client" in line and "misses it" in line
+    assert "+1.25 ms at p50 with 4 client (per trial +0.5 to +2.0" in line and "misses it" in line

@@ -963,12 +963,14 @@ the same closed-loop load sent to the agent's serve port and to vLLM's own port
 behind it; every answer is 16 tokens (`ignore_eos`); the two arms of a cell run
 back to back, their order alternating. Issue 25's targets: at most 1 ms added at
 p50, at most 3% fewer requests/s at saturation. On this 2-core machine vLLM, the
-proxy and the load generator share the cores, so trials are noisy (see the
-per-trial columns) and the proxy's cost shows as lost throughput and scheduling
-delay; the steadier figure is its CPU per request (the agent's CPU in its arm,
-less its CPU in the direct arm): about 0.5-1.5 ms per plain request and 1.5-5 ms
-per streamed one (about 0.1-0.3 ms per streamed chunk). On a node with cores to
-spare that is the whole cost. The design that removes the hop (vLLM serving the
+proxy and the load generator share the cores, so trials are noisy: a trial's p50
+moves by tens of milliseconds either way (the per-trial columns), far more than
+the 1 ms target, which this machine can therefore neither show met nor missed;
+at saturation the agent keeps roughly 0.9-1.0x of vLLM's requests/s, streaming
+faring worse. The steadier figure is the proxy's CPU per request (the agent's
+CPU in its arm, less its CPU in the direct arm): about 0.5-1.7 ms per plain
+request and 1.2-5 ms per streamed one (about 0.1-0.3 ms per streamed chunk). On
+a node with cores to spare that is the whole cost. The design that removes the hop (vLLM serving the
 public port with its control routes off, the agent keeping the admin side) is
 not built; the API key check, the allowlist and the 503 while not Ready would
 have to move with it.

@@ -1,9 +1,10 @@
 """One part of a checkpoint file as the object store keeps it: a frame.
 
-The store is the slow link of a pull (a node reads a checkpoint from it at a
-fraction of its disk's pace), and a checkpoint is mostly air: the pages of a
-sleeping vLLM compress about 4x with zstd's default level (4.3x on the CPU
-tree's pages here, decoded at ~0.9 GB/s per core) and its /dev/shm files are
+The store is the slow link of a plain pull (a node reads a checkpoint from it
+at a fraction of its disk's pace), and a checkpoint is mostly air: the pages of
+a sleeping vLLM compress about 4x with zstd's default level (4.3x on the CPU
+tree's pages here, decoded at 0.5-0.9 GB/s per core on this 2-core machine,
+where decoding then becomes the pull's limit) and its /dev/shm files are
 mostly zeroes. So each part of a file is stored as the shortest of
 
     nothing   the part is all zeroes: nothing is stored or fetched (a hole on the node)

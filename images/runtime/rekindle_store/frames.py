@@ -32,7 +32,7 @@ class FrameError(ValueError):
 
 def encode(part: memoryview) -> bytes:
     """The frame to store for part: b"" (zeroes), a zstd frame, or part's own bytes."""
-    if _is_zero(part):
+    if is_zero(part):
         return b""
     packed = zstandard.ZstdCompressor(level=LEVEL).compress(part)
     return packed if len(packed) < len(part) else part.tobytes()
@@ -101,7 +101,7 @@ def _decode_sparse(frame: memoryview, out: memoryview) -> None:
 _ZERO = bytes(1 << 20)
 
 
-def _is_zero(part: memoryview) -> bool:
+def is_zero(part: memoryview) -> bool:
     """Whether part is all zeroes, compared a MiB at a time (first MiB first: data
     almost always differs there)."""
     for off in range(0, len(part), len(_ZERO)):

@@ -53,7 +53,6 @@ MAX_LAYOUT_BYTES = 8 << 20
 ENCODINGS = ("frames", "plain")
 DONE = -1  # a journal's mark for a file fetched whole and checked
 _OPEN_STAGED = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
-_ZERO_PART = bytes(PART_BYTES)
 
 
 @dataclass(frozen=True)
@@ -515,7 +514,7 @@ def _consume(
     view = st.map()[start : start + got]
     try:
         st.hasher.update(view)  # the bytes as they are in the file now: what runs
-        if _all_zero(view):  # a hole again (checkpoint pages can hold long runs of zeroes)
+        if frames.is_zero(view):  # a hole again (checkpoint pages can hold long runs of zeroes)
             assert st.mapped is not None
             with contextlib.suppress(OSError):  # a filesystem that cannot punch holes
                 st.mapped.madvise(mmap.MADV_REMOVE, start, got)
@@ -528,15 +527,6 @@ def _consume(
         journal.record(st.entry["path"], st.verified)
     if on_progress is not None:
         on_progress(got)
-
-
-def _all_zero(view: memoryview) -> bool:
-    """Whether a received range is all zeroes: its first page first (data almost always
-    differs there), then the whole, compared as bytes (a memoryview compares per item)."""
-    head = min(len(view), 4096)
-    if view[:head].tobytes() != _ZERO_PART[:head]:
-        return False
-    return view.tobytes() == _ZERO_PART[: len(view)]
 
 
 def _finish_file(st: _FileState, loc: StoreLocation, journal: _Journal) -> None:

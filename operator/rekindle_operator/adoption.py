@@ -37,6 +37,8 @@ def derived_objects(spec: IsvcSpec, network_policy: bool) -> list[tuple[str, str
         out.append(("NetworkPolicy", b.network_policy_name(spec.name)))
     if spec.disruption_max_unavailable is not None:
         out.append(("PodDisruptionBudget", b.disruption_budget_name(spec.name)))
+    if spec.autoscaling is not None:
+        out.append(("ScaledObject", b.scaled_object_name(spec.name)))
     return out
 
 

@@ -271,6 +271,68 @@ def build_disruption_budget(spec: IsvcSpec, owner: Mapping[str, Any] | None = No
     }
 
 
+def scaled_object_name(name: str) -> str:
+    return name
+
+
+# KEDA reads the front's /load this often; a request held at zero waits up to this long
+# before KEDA sees it, so it bounds the scale-from-zero answer.
+AUTOSCALING_POLL_S = 2
+
+
+def build_scaled_object(
+    spec: IsvcSpec, front_url: str, owner: Mapping[str, Any] | None = None
+) -> Obj | None:
+    """spec.autoscaling: a KEDA ScaledObject over the InferenceService's scale subresource
+    (None: unset), reading the front's /load for this service with KEDA's metrics-api
+    scaler. Above zero KEDA's HPA divides the metric by target per replica; at zero, a
+    metric above 0 (a held request) activates the first replica at once."""
+    a = spec.autoscaling
+    if a is None:
+        return None
+    delay = a.scale_down_delay_s
+    return {
+        "apiVersion": "keda.sh/v1alpha1",
+        "kind": "ScaledObject",
+        "metadata": _meta(spec, scaled_object_name(spec.name), owner, "autoscaling"),
+        "spec": {
+            "scaleTargetRef": {
+                "apiVersion": API_VERSION,
+                "kind": "InferenceService",
+                "name": spec.name,
+            },
+            "minReplicaCount": a.min_replicas,
+            "maxReplicaCount": a.max_replicas,
+            "pollingInterval": AUTOSCALING_POLL_S,
+            "cooldownPeriod": delay,
+            "advanced": {
+                "horizontalPodAutoscalerConfig": {
+                    "behavior": {
+                        "scaleUp": {"stabilizationWindowSeconds": 0},
+                        "scaleDown": {
+                            "stabilizationWindowSeconds": delay,
+                            "policies": [{"type": "Pods", "value": 1, "periodSeconds": 15}],
+                        },
+                    }
+                }
+            },
+            "triggers": [
+                {
+                    "type": "metrics-api",
+                    "metricType": "AverageValue",
+                    "metadata": {
+                        "url": f"{front_url.rstrip('/')}/load/{spec.namespace}/{spec.name}",
+                        "format": "json",
+                        "valueLocation": a.metric,
+                        "targetValue": str(a.target),
+                        "activationTargetValue": "0",
+                    },
+                }
+            ],
+        },
+    }
+
+
 def build_network_policy(
     spec: IsvcSpec,
     operator_namespace: str,

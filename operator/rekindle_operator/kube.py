@@ -34,6 +34,7 @@ _RESOURCES: dict[str, tuple[str, str]] = {
     "Job": ("/apis/batch/v1", "jobs"),
     "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
     "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
+    "ScaledObject": ("/apis/keda.sh/v1alpha1", "scaledobjects"),
     "InferenceService": (f"/apis/{GROUP}/{VERSION}", ISVC_PLURAL),
     "Checkpoint": (f"/apis/{GROUP}/{VERSION}", CKPT_PLURAL),
 }

@@ -103,6 +103,24 @@ def mark_stale(kube: Kube, spec: IsvcSpec, checkpoints: list[dict[str, Any]], em
             )
 
 
+def check_autoscaling(spec: IsvcSpec, settings: Settings) -> None:
+    """spec.autoscaling needs the front (its /load is the metric, and it holds requests at
+    zero), and the front reads vLLM's /metrics on the serve port without an API key."""
+    if spec.autoscaling is None:
+        return
+    if not settings.front_url:
+        raise SpecError(
+            "spec.autoscaling needs the front, and this operator has none (REKINDLE_FRONT_URL "
+            "is unset): install the chart with front.enabled=true, or remove spec.autoscaling"
+        )
+    if spec.api_key_secret is not None:
+        raise SpecError(
+            "spec.autoscaling with spec.apiKeySecretRef is not supported yet: the front reads "
+            "vLLM's queue from the serve port's /metrics, which the API key closes to it; "
+            "remove one of them"
+        )
+
+
 def check_image(spec: IsvcSpec, settings: Settings) -> None:
     """The operator's own check of the allowed images (the chart's policy refuses at apply)."""
     if not image_allowed(spec.image, settings.allowed_images):
@@ -165,6 +183,7 @@ def ensure_objects(
         kube.create_if_absent(pvc)
     kube.apply(b.build_service(spec, owner=body))
     ensure_disruption_budget(kube, body, spec)
+    ensure_scaled_object(kube, body, spec, settings.front_url)
     if deployment:
         kube.apply(
             b.build_deployment(
@@ -190,6 +209,20 @@ def ensure_disruption_budget(kube: Kube, body: Body, spec: IsvcSpec) -> None:
     uid = str((body.get("metadata") or {}).get("uid") or "")
     if existing is not None and owned_by(existing, uid):
         kube.delete("PodDisruptionBudget", spec.namespace, name)
+
+
+def ensure_scaled_object(kube: Kube, body: Body, spec: IsvcSpec, front_url: str) -> None:
+    """The KEDA ScaledObject as spec.autoscaling says: applied, or (unset) our own removed.
+    Without spec.autoscaling no KEDA is needed: a missing CRD reads as no object."""
+    scaled = b.build_scaled_object(spec, front_url, owner=body) if front_url else None
+    if scaled is not None:
+        kube.apply(scaled)
+        return
+    name = b.scaled_object_name(spec.name)
+    existing = kube.get("ScaledObject", spec.namespace, name)
+    uid = str((body.get("metadata") or {}).get("uid") or "")
+    if existing is not None and owned_by(existing, uid):
+        kube.delete("ScaledObject", spec.namespace, name)
 
 
 def keep_checkpoints_current(
@@ -315,6 +348,7 @@ def reconcile(
     try:
         spec = spec_of(body)
         check_image(spec, settings)
+        check_autoscaling(spec, settings)
     except (SpecError, ValueError) as e:
         new = {**old, "phase": "Failed", "message": str(e)}
         if old.get("message") != str(e):

@@ -19,6 +19,11 @@ REKINDLE_WARM_PLACEMENT: `false` creates the pods of node-local storage without
 the placement gate (placement.py): they schedule without the operator, where
 the scheduler puts them. Default true.
 
+REKINDLE_FRONT_URL: where KEDA reaches the front (the chart's front Service,
+such as http://rekindle-front.rekindle.svc:8080). InferenceServices with
+spec.autoscaling get a ScaledObject reading URL/load/NAMESPACE/NAME; unset,
+spec.autoscaling is refused with a reason in the status.
+
 REKINDLE_PREWARM: `false` stops the operator asking one replica per node to have
 its node agent pull the checkpoint in use (services of storage type node that
 publish): new replicas there then pull it when they start. Default true.
@@ -51,6 +56,7 @@ class Settings:
     delete_timeout_s: float = DEFAULT_DELETE_TIMEOUT_S
     warm_placement: bool = True
     prewarm: bool = True
+    front_url: str = ""
 
     @property
     def network_policy(self) -> bool:
@@ -70,4 +76,5 @@ def from_env(env: dict[str, str] | None = None) -> Settings:
         delete_timeout_s=float(e.get("REKINDLE_DELETE_TIMEOUT") or DEFAULT_DELETE_TIMEOUT_S),
         warm_placement=e.get("REKINDLE_WARM_PLACEMENT", "true").strip().lower() != "false",
         prewarm=e.get("REKINDLE_PREWARM", "true").strip().lower() != "false",
+        front_url=e.get("REKINDLE_FRONT_URL", "").strip(),
     )

@@ -96,6 +96,26 @@ class AdminTLS:
     server_name: str
 
 
+@dataclass(frozen=True)
+class Autoscaling:
+    """spec.autoscaling: the KEDA ScaledObject the operator owns (builders.build_scaled_object).
+
+    metric: which number of the front's /load the autoscaler divides by target
+    ("requests": running + waiting + held; "waiting": waiting + held).
+    scale_down_delay_s: seconds of low load before replicas go (KEDA's cooldown
+    for the last one, the HPA's scale-down stabilization for the others).
+    """
+
+    min_replicas: int
+    max_replicas: int
+    metric: str = "requests"
+    target: int = 8
+    scale_down_delay_s: int = 300
+
+
+AUTOSCALING_METRICS = ("requests", "waiting")
+
+
 def default_server_name(name: str, namespace: str) -> str:
     """The Service's cluster DNS name: what a cert-manager Certificate for it would name."""
     return f"{name}.{namespace}.svc"
@@ -177,6 +197,8 @@ class IsvcSpec:
     # spec.maxConcurrentRequests: requests each pod's serve port forwards to vLLM at once
     # (the agent's --proxy-max-concurrency; beyond it 429 with Retry-After).
     max_concurrent_requests: int = 256
+    # spec.autoscaling: scale on load through KEDA (None: spec.replicas is the user's).
+    autoscaling: Autoscaling | None = None
 
     @property
     def mm_cache_undecided(self) -> bool:
@@ -296,6 +318,7 @@ def parse_spec(
         termination_grace_s=int(spec.get("terminationGracePeriodSeconds", 30)),
         disruption_max_unavailable=_disruption_budget(spec.get("disruptionBudget")),
         max_concurrent_requests=int(spec.get("maxConcurrentRequests", 256)),
+        autoscaling=_autoscaling(spec.get("autoscaling")),
     )
     validate(out)
     return out
@@ -336,6 +359,40 @@ def _disruption_budget(value: object) -> int | str | None:
             "allow at least 1 (or remove spec.disruptionBudget)"
         )
     return got
+
+
+def _autoscaling(value: object) -> Autoscaling | None:
+    """spec.autoscaling, checked as the CRD checks it (specs may skip the apiserver)."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or "maxReplicas" not in value:
+        raise SpecError(
+            "spec.autoscaling needs maxReplicas: the most replicas the autoscaler may run"
+        )
+
+    def count(key: str, default: int | None, low: int, high: int) -> int:
+        got = value.get(key, default)
+        if isinstance(got, bool) or not isinstance(got, int) or not low <= got <= high:
+            raise SpecError(f"spec.autoscaling.{key}: {got!r} is not a whole number {low}-{high}")
+        return got
+
+    out = Autoscaling(
+        min_replicas=count("minReplicas", 1, 0, 1000),
+        max_replicas=count("maxReplicas", None, 1, 1000),
+        metric=str(value.get("metric", "requests")),
+        target=count("target", 8, 1, 100000),
+        scale_down_delay_s=count("scaleDownDelay", 300, 0, 86400),
+    )
+    if out.metric not in AUTOSCALING_METRICS:
+        raise SpecError(
+            f"spec.autoscaling.metric: {out.metric!r}; use one of {', '.join(AUTOSCALING_METRICS)}"
+        )
+    if out.min_replicas > out.max_replicas:
+        raise SpecError(
+            f"spec.autoscaling: minReplicas ({out.min_replicas}) is above maxReplicas "
+            f"({out.max_replicas})"
+        )
+    return out
 
 
 def _validate_rollout(s: IsvcSpec) -> None:

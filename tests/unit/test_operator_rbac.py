@@ -134,7 +134,11 @@ def _recorded(kube: RecordingKube) -> RecordingKube:
 
 def operator_calls() -> tuple[set[Grant], set[Grant]]:
     """(grants used in the services' namespace, grants used in the operator's own)."""
-    settings = Settings(operator_namespace=OPERATOR_NS, operator_labels={"app": "op"})
+    settings = Settings(
+        operator_namespace=OPERATOR_NS,
+        operator_labels={"app": "op"},
+        front_url="http://rekindle-front.rekindle.svc:8080",
+    )
     all_grants: set[tuple[str, str, str, str]] = set()
 
     def run(flow: Any) -> None:
@@ -162,6 +166,8 @@ def operator_calls() -> tuple[set[Grant], set[Grant]]:
             {"adminTLS": {"secretName": "tiny-tls"}},
             {"disruptionBudget": {"maxUnavailable": 1}},  # made
             {"disruptionBudget": None},  # and removed again
+            {"autoscaling": {"minReplicas": 0, "maxReplicas": 2}},  # made
+            {"autoscaling": None},  # and removed again
         ):
             body["spec"] = {**body["spec"], **spec}
             reconcile(kube, body, lambda *e: None, Agents(FakeAgent()), settings)

@@ -10,7 +10,8 @@ from rekindle_operator import builders
 from rekindle_operator import reconcile as reconcile_mod
 from rekindle_operator.agent_command import agent_args, agent_command
 from rekindle_operator.quantity import mib_str, parse_quantity, to_bytes
-from rekindle_operator.spec import IsvcSpec, SpecError, parse_spec
+from rekindle_operator.settings import Settings
+from rekindle_operator.spec import Autoscaling, IsvcSpec, SpecError, parse_spec
 from rekindle_operator.spec_fingerprint import spec_fingerprint
 
 from tests.unit.test_operator_checkpointing import FakeKube
@@ -72,6 +73,11 @@ def test_restart_annotation_is_carried() -> None:
         ({"disruptionBudget": {}}, "needs maxUnavailable"),
         ({"disruptionBudget": {"maxUnavailable": 0}}, "no node could ever be drained"),
         ({"disruptionBudget": {"maxUnavailable": "0%"}}, "no node could ever be drained"),
+        ({"autoscaling": {}}, "needs maxReplicas"),
+        ({"autoscaling": {"maxReplicas": 0}}, r"maxReplicas: 0 is not a whole number 1-1000"),
+        ({"autoscaling": {"maxReplicas": 2, "minReplicas": 3}}, "minReplicas .3. is above"),
+        ({"autoscaling": {"maxReplicas": 2, "metric": "gpu"}}, "metric: 'gpu'; use one of"),
+        ({"autoscaling": {"maxReplicas": 2, "target": 0}}, "target: 0 is not"),
     ],
 )
 def test_refusals_name_the_field(spec: dict[str, object], words: str) -> None:
@@ -203,3 +209,58 @@ def test_a_disruption_budget_is_owned_applied_and_removed_when_unset() -> None:
     kube.put({"kind": "PodDisruptionBudget", "metadata": {"name": "x", "namespace": "ns"}})
     reconcile_mod.ensure_disruption_budget(kube, body, parse())  # type: ignore[arg-type]
     assert kube.get("PodDisruptionBudget", "ns", "x") is not None
+
+
+def test_autoscaling_parses_with_its_defaults() -> None:
+    a = parse(autoscaling={"maxReplicas": 3}).autoscaling
+    assert a == Autoscaling(
+        min_replicas=1, max_replicas=3, metric="requests", target=8, scale_down_delay_s=300
+    )
+    assert parse().autoscaling is None
+
+
+def test_a_scaled_object_reads_the_fronts_load_and_is_removed_when_unset() -> None:
+    kube = FakeKube()
+    body = {"metadata": {"name": "x", "namespace": "ns", "uid": "u1"}}
+    spec = parse(
+        autoscaling={
+            "minReplicas": 0, "maxReplicas": 4, "metric": "waiting", "target": 3,
+            "scaleDownDelay": 45,
+        }
+    )  # fmt: skip
+    reconcile_mod.ensure_scaled_object(kube, body, spec, "http://front:8080/")  # type: ignore[arg-type]
+    so = kube.get("ScaledObject", "ns", "x")
+    assert so is not None and so["apiVersion"] == "keda.sh/v1alpha1"
+    assert so["metadata"]["ownerReferences"][0]["uid"] == "u1"
+    got = so["spec"]
+    assert got["scaleTargetRef"] == {
+        "apiVersion": "rekindle.dev/v1alpha1", "kind": "InferenceService", "name": "x",
+    }  # fmt: skip
+    assert (got["minReplicaCount"], got["maxReplicaCount"], got["cooldownPeriod"]) == (0, 4, 45)
+    behavior = got["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+    assert behavior["scaleDown"]["stabilizationWindowSeconds"] == 45
+    assert got["triggers"] == [
+        {
+            "type": "metrics-api",
+            "metricType": "AverageValue",
+            "metadata": {
+                "url": "http://front:8080/load/ns/x",
+                "format": "json",
+                "valueLocation": "waiting",
+                "targetValue": "3",
+                "activationTargetValue": "0",
+            },
+        }
+    ]
+    reconcile_mod.ensure_scaled_object(kube, body, parse(), "http://front:8080")  # type: ignore[arg-type]
+    assert kube.get("ScaledObject", "ns", "x") is None
+
+
+def test_autoscaling_without_a_front_or_with_an_api_key_is_refused() -> None:
+    spec = parse(autoscaling={"maxReplicas": 2})
+    with pytest.raises(SpecError, match=r"front\.enabled=true"):
+        reconcile_mod.check_autoscaling(spec, Settings())
+    keyed = parse(autoscaling={"maxReplicas": 2}, apiKeySecretRef={"name": "k"})
+    with pytest.raises(SpecError, match="apiKeySecretRef is not supported yet"):
+        reconcile_mod.check_autoscaling(keyed, Settings(front_url="http://front:8080"))
+    reconcile_mod.check_autoscaling(spec, Settings(front_url="http://front:8080"))

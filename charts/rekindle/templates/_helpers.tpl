@@ -147,6 +147,10 @@ repository@digest when a digest is set (it wins over the tag), else repository:t
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
   verbs: ["get", "create", "patch", "delete"]
+# Each InferenceService's optional KEDA ScaledObject (spec.autoscaling).
+- apiGroups: ["keda.sh"]
+  resources: ["scaledobjects"]
+  verbs: ["get", "create", "patch", "delete"]
 # kopf posts core v1 Events.
 - apiGroups: [""]
   resources: ["events"]

@@ -36,7 +36,7 @@ from rekindle_agent.agent import Agent
 from rekindle_agent.checkpointing import checkpoint
 from rekindle_agent.config import ConfigError, admin_tls_context
 from rekindle_agent.restoring import residency
-from rekindle_agent.serving import serve_routes
+from rekindle_agent.serving import relay, serve_routes
 from rekindle_agent.serving.auth import token_ok
 
 log = logging.getLogger("rekindle.server")
@@ -46,18 +46,6 @@ VLLM_METRICS_TIMEOUT_S = 2.0
 # How often the admin port looks for a renewed certificate (cert-manager renews
 # the Secret, the kubelet swaps the mounted files within a minute or so).
 CERT_CHECK_S = 60.0
-HOP_HEADERS = {
-    "connection",
-    "keep-alive",
-    "proxy-authenticate",
-    "proxy-authorization",
-    "te",
-    "trailers",
-    "transfer-encoding",
-    "upgrade",
-    "host",
-    "content-length",
-}
 UNAUTHENTICATED = {api.PATH_HEALTHZ, api.PATH_READYZ}
 AGENT_KEY = web.AppKey("agent", Agent)
 PROXY_KEY: web.AppKey[Proxy] = web.AppKey("proxy")
@@ -138,15 +126,7 @@ def refuse(agent: Agent, why: str, status: int = 503) -> web.Response:
     )
 
 
-def error(
-    message: str, status: int, kind: str, headers: dict[str, str] | None = None
-) -> web.Response:
-    """An OpenAI-style error body."""
-    return web.json_response(
-        {"error": {"message": message, "type": kind, "code": status}},
-        status=status,
-        headers=headers,
-    )
+error = relay.error
 
 
 def _gate(request: web.Request, agent: Agent) -> web.Response | None:
@@ -255,41 +235,18 @@ async def _forward(request: web.Request, proxy: Proxy, body: bytes) -> web.Strea
         )
     if why is not None:
         return refuse(agent, f"agent is {agent.status.state}; retry")
-    resp: web.StreamResponse | None = None
     try:
-        drop = HOP_HEADERS | ({"authorization"} if agent.api_key is not None else set())
         # The API key stops here: never in vLLM's memory, so never in a checkpoint.
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in drop}
-        url = agent.vllm_url + request.raw_path  # exactly the path the allowlist matched
-        async with proxy.client().request(
-            request.method, url, headers=headers, data=body or None
-        ) as up:
-            resp = web.StreamResponse(
-                status=up.status,
-                headers={k: v for k, v in up.headers.items() if k.lower() not in HOP_HEADERS},
-            )
-            if up.content_length is not None:
-                resp.content_length = up.content_length
-            await resp.prepare(request)
-            async for chunk in up.content.iter_any():
-                await resp.write(chunk)
-            await resp.write_eof()
-            return resp
-    except (ClientError, TimeoutError) as e:
-        if resp is not None and resp.prepared:
-            # Mid-stream: the status is sent; cut the response short.
-            log.warning("proxy: vLLM stopped sending mid-response: %r", e)
-            with contextlib.suppress(Exception):
-                if request.transport is not None:
-                    request.transport.close()
-            return resp
-        if isinstance(e, TimeoutError):
-            return error(
-                f"vLLM sent nothing for {agent.cfg.proxy_timeout:g}s (--proxy-timeout)",
-                504,
-                "timeout",
-            )
-        return error(f"vLLM unreachable: {e}", 502, "upstream_error")
+        return await relay.relay(
+            request,
+            proxy.client(),
+            agent.vllm_url + request.raw_path,  # exactly the path the allowlist matched
+            body,
+            drop_headers={"authorization"} if agent.api_key is not None else (),
+            timeout_s=agent.cfg.proxy_timeout,
+            upstream="vLLM",
+            timeout_hint="--proxy-timeout",
+        )
     finally:
         proxy.release()
 

@@ -1,0 +1,3 @@
+from rekindle_front.cli import main
+
+main()

@@ -1,0 +1,242 @@
+"""The front's HTTP side: forward to a Ready replica, hold while there is none,
+and answer the autoscaler's /load.
+
+A held request waits for a Ready replica, polling the service's EndpointSlices
+every --poll seconds; a replica that refuses the connection (it just went away)
+sends the request back to waiting, since nothing of it was sent. Past
+--hold-timeout it is answered 503 with Retry-After. Requests for a path the
+agents would not forward, or for a service that does not exist, are answered
+at once and never held, so they cannot wake a service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections import Counter as Tally
+from dataclasses import dataclass
+
+from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from rekindle_agent.serving import relay, serve_routes
+
+from rekindle_front import load
+from rekindle_front.kube import KubeError, KubeReader, Replica
+
+log = logging.getLogger("rekindle.front")
+SERVE_PORT_NAME = "http"
+HOLD_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300)
+METRICS_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True)
+class FrontConfig:
+    hold_timeout_s: float = 120.0
+    poll_s: float = 0.25
+    max_held: int = 1024
+    max_body_mb: int = 64
+    upstream_timeout_s: float = 600.0
+    retry_after_s: int = 5
+
+
+class FrontMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.held = Gauge(
+            "rekindle_front_held_requests",
+            "Requests held while their service has no Ready replica",
+            ["namespace", "service"],
+            registry=r,
+        )
+        self.hold_seconds = Histogram(
+            "rekindle_front_hold_seconds",
+            "Time a request waited for a Ready replica (0 when one was Ready), by outcome",
+            ["namespace", "service", "outcome"],
+            buckets=HOLD_BUCKETS,
+            registry=r,
+        )
+        self.requests = Counter(
+            "rekindle_front_requests_total",
+            "Requests answered by the front, by status code",
+            ["namespace", "service", "code"],
+            registry=r,
+        )
+
+
+class Front:
+    """State shared by the handlers: held and in-flight counts, the upstream session."""
+
+    def __init__(self, kube: KubeReader, cfg: FrontConfig) -> None:
+        self.kube = kube
+        self.cfg = cfg
+        self.metrics = FrontMetrics()
+        self.held: Tally[tuple[str, str]] = Tally()
+        self.inflight: Tally[str] = Tally()  # per replica URL
+        self.session: ClientSession | None = None
+
+    def client(self) -> ClientSession:
+        if self.session is None or self.session.closed:
+            self.session = ClientSession(
+                connector=TCPConnector(limit=0),
+                timeout=ClientTimeout(
+                    total=None, sock_connect=5.0, sock_read=self.cfg.upstream_timeout_s
+                ),
+            )
+        return self.session
+
+    def pick(self, replicas: list[Replica]) -> Replica:
+        """The replica this front has the fewest requests in flight to (ties: any)."""
+        least = min(self.inflight[r.url] for r in replicas)
+        return random.choice([r for r in replicas if self.inflight[r.url] == least])
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+        await self.kube.close()
+
+
+FRONT_KEY: web.AppKey[Front] = web.AppKey("front", Front)
+
+
+def unavailable(message: str, retry_after_s: int) -> web.Response:
+    return relay.error(message, 503, "unavailable", {"Retry-After": str(retry_after_s)})
+
+
+async def _replicas(front: Front, ns: str, name: str) -> list[Replica]:
+    try:
+        return await front.kube.replicas(ns, name, SERVE_PORT_NAME)
+    except (KubeError, ClientError, TimeoutError) as e:
+        log.warning("reading %s/%s's replicas: %s", ns, name, e)
+        return []
+
+
+async def forward(request: web.Request) -> web.StreamResponse:
+    front = request.app[FRONT_KEY]
+    ns, name = request.match_info["namespace"], request.match_info["service"]
+    resp = await _forward(request, front, ns, name)
+    front.metrics.requests.labels(ns, name, str(resp.status)).inc()
+    return resp
+
+
+async def _forward(request: web.Request, front: Front, ns: str, name: str) -> web.StreamResponse:
+    prefix = f"/{ns}/{name}"
+    raw = request.raw_path
+    tail = raw[len(prefix) :] if raw.startswith(prefix + "/") else ""
+    path = tail.split("?", 1)[0]
+    if not serve_routes.allowed(request.method, path):
+        return relay.error(
+            f"no such route: {request.method} {path or raw}", 404, "invalid_request_error"
+        )
+    try:
+        exists = await front.kube.service_exists(ns, name)
+    except (KubeError, ClientError, TimeoutError) as e:
+        return unavailable(
+            f"cannot read InferenceService {ns}/{name}: {e}", front.cfg.retry_after_s
+        )
+    if not exists:
+        return relay.error(f"no InferenceService {ns}/{name}", 404, "invalid_request_error")
+    body = await request.read()
+    key = (ns, name)
+    start = time.monotonic()
+    deadline = start + front.cfg.hold_timeout_s
+    holding = False
+    try:
+        while True:
+            replicas = await _replicas(front, ns, name)
+            if replicas:
+                replica = front.pick(replicas)
+                front.inflight[replica.url] += 1
+                try:
+                    resp = await relay.relay(
+                        request,
+                        front.client(),
+                        replica.url + tail,
+                        body,
+                        timeout_s=front.cfg.upstream_timeout_s,
+                        upstream=f"replica {replica.address}",
+                        refused_is_error=False,
+                    )
+                except relay.UpstreamRefused:
+                    resp = None  # it went away before taking the request: wait for another
+                finally:
+                    front.inflight[replica.url] -= 1
+                if resp is not None:
+                    front.metrics.hold_seconds.labels(ns, name, "served").observe(
+                        time.monotonic() - start
+                    )
+                    return resp
+            if not holding:
+                if front.held[key] >= front.cfg.max_held:
+                    return unavailable(
+                        f"{front.held[key]} requests already wait for {ns}/{name} (--max-held)",
+                        front.cfg.retry_after_s,
+                    )
+                holding = True
+                front.held[key] += 1
+                front.metrics.held.labels(ns, name).set(front.held[key])
+            if time.monotonic() >= deadline:
+                front.metrics.hold_seconds.labels(ns, name, "timeout").observe(
+                    time.monotonic() - start
+                )
+                return unavailable(
+                    f"no replica of {ns}/{name} became Ready within "
+                    f"{front.cfg.hold_timeout_s:g}s (--hold-timeout)",
+                    front.cfg.retry_after_s,
+                )
+            await asyncio.sleep(front.cfg.poll_s)
+    finally:
+        if holding:
+            front.held[key] -= 1
+            front.metrics.held.labels(ns, name).set(front.held[key])
+
+
+async def _queue(front: Front, replica: Replica) -> load.Queue:
+    try:
+        async with front.client().get(
+            replica.url + "/metrics", timeout=ClientTimeout(total=METRICS_TIMEOUT_S)
+        ) as r:
+            if r.status != 200:
+                log.warning("%s/metrics: HTTP %d", replica.url, r.status)
+                return load.Queue()
+            return load.parse_queue(await r.text())
+    except (ClientError, TimeoutError) as e:
+        log.warning("%s/metrics: %r", replica.url, e)
+        return load.Queue()
+
+
+async def service_load(request: web.Request) -> web.Response:
+    """vLLM's queue over the service's Ready replicas, plus the requests held here."""
+    front = request.app[FRONT_KEY]
+    ns, name = request.match_info["namespace"], request.match_info["service"]
+    replicas = await _replicas(front, ns, name)
+    queues = await asyncio.gather(*(_queue(front, r) for r in replicas))
+    return web.json_response(load.total(list(queues), front.held[(ns, name)]).as_json())
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[FRONT_KEY].metrics.registry)
+    return web.Response(body=body, content_type="text/plain", charset="utf-8")
+
+
+async def healthz(_request: web.Request) -> web.Response:
+    return web.json_response({"ok": True})
+
+
+def app(front: Front) -> web.Application:
+    a = web.Application(client_max_size=front.cfg.max_body_mb << 20)
+    a[FRONT_KEY] = front
+    a.router.add_get("/healthz", healthz)
+    a.router.add_get("/metrics", metrics)
+    a.router.add_get("/load/{namespace}/{service}", service_load)
+    a.router.add_route("*", "/{namespace}/{service}/{tail:.*}", forward)
+
+    async def closing(_a: web.Application) -> None:
+        with contextlib.suppress(Exception):
+            await front.close()
+
+    a.on_cleanup.append(closing)
+    return a

@@ -80,8 +80,8 @@ cluster-down: ## stop it (only what cluster-up started)
 cluster-status: ## components, node state, kubeconfig path
 	scripts/local-cluster status
 
-images: cluster-up ## build the local images (smoke, runtime-cpu, operator, object-store) and load them into the node
-	for image in smoke runtime-cpu operator object-store; do
+images: cluster-up ## build the local images (smoke, runtime-cpu, operator, object-store, keda) and load them into the node
+	for image in smoke runtime-cpu operator object-store keda; do
 		scripts/local-cluster load-image "$$(scripts/build-image $$image)"
 	done
 

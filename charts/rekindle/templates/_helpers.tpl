@@ -164,3 +164,27 @@ values, or the one the chart makes.
 {{- define "rekindle.nodeSigningKeySecret" -}}
 {{- .Values.nodeAgent.signingKeySecret | default (printf "%s-node-signing-key" (include "rekindle.fullname" .)) -}}
 {{- end }}
+
+{{/* The front's labels (templates/front.yaml). */}}
+{{- define "rekindle.frontSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "rekindle.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: front
+{{- end }}
+
+{{- define "rekindle.frontLabels" -}}
+helm.sh/chart: {{ include "rekindle.chart" . }}
+{{ include "rekindle.frontSelectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: rekindle
+{{- end }}
+
+{{/* Where KEDA reaches the front: front.url, or its Service's cluster DNS name. */}}
+{{- define "rekindle.frontURL" -}}
+{{- if .Values.front.url -}}
+{{- .Values.front.url -}}
+{{- else -}}
+{{- printf "http://%s-front.%s.svc:8080" (include "rekindle.fullname" .) .Release.Namespace -}}
+{{- end -}}
+{{- end }}

@@ -47,7 +47,17 @@ def test_the_queue_sums_each_family_over_its_label_sets() -> None:
 
 def test_load_adds_the_held_requests() -> None:
     got = load.total([load.Queue(3, 2), load.Queue(1, 0)], held=2).as_json()
-    assert got == {"requests": 8, "waiting": 4, "running": 4, "held": 2, "replicas": 2}
+    assert got == {
+        "requests": 8, "waiting": 4, "running": 4, "held": 2, "forwarded": 0, "replicas": 2,
+        "unread": 0,
+    }  # fmt: skip
+
+
+def test_what_the_front_forwarded_is_a_floor_when_a_replica_cannot_be_read() -> None:
+    got = load.total([load.Queue(1, 0), None], held=0, forwarded=5).as_json()
+    assert (got["requests"], got["running"], got["unread"]) == (5, 1, 1)
+    # Read queues above the floor count as they are.
+    assert load.total([load.Queue(4, 3)], held=1, forwarded=2).as_json()["requests"] == 8
 
 
 def test_only_ready_not_terminating_endpoints_on_the_named_port_count() -> None:
@@ -120,7 +130,7 @@ def test_a_request_at_zero_is_held_then_served_and_counted_on_load() -> None:
                 if got["held"] == 1:
                     break
                 await asyncio.sleep(0.01)
-            assert got == {"requests": 1, "waiting": 1, "running": 0, "held": 1, "replicas": 0}
+            assert (got["requests"], got["waiting"], got["held"], got["replicas"]) == (1, 1, 1, 0)
             assert not held.done()
             kube.ready["ns/tiny"] = [rep]  # a replica became Ready
             resp = await held
@@ -129,7 +139,8 @@ def test_a_request_at_zero_is_held_then_served_and_counted_on_load() -> None:
                     "path": "/v1/completions?x=1", "echo": {"prompt": "hi"},
                 }  # fmt: skip
             got = await (await s.get(f"{url}/load/ns/tiny")).json()
-            assert got == {"requests": 6, "waiting": 3, "running": 3, "held": 0, "replicas": 1}
+            want = {"requests": 6, "waiting": 3, "running": 3, "held": 0, "replicas": 1}
+            assert {k: got[k] for k in want} == want
             text = await (await s.get(f"{url}/metrics")).text()
             served = 'outcome="served",service="tiny"} 1.0'
             assert f'rekindle_front_hold_seconds_count{{namespace="ns",{served}' in text

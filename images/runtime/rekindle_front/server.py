@@ -29,7 +29,9 @@ from rekindle_front.kube import KubeError, KubeReader, Replica
 log = logging.getLogger("rekindle.front")
 SERVE_PORT_NAME = "http"
 HOLD_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300)
-METRICS_TIMEOUT_S = 2.0
+# Below KEDA's own HTTP timeout (3 s): a busy replica's slow /metrics must not make
+# /load late; the front's own in-flight count stands in for what it could not read.
+METRICS_TIMEOUT_S = 1.5
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,7 @@ class Front:
         self.metrics = FrontMetrics()
         self.held: Tally[tuple[str, str]] = Tally()
         self.inflight: Tally[str] = Tally()  # per replica URL
+        self.forwarded: Tally[tuple[str, str]] = Tally()  # in flight per service
         self.session: ClientSession | None = None
 
     def client(self) -> ClientSession:
@@ -150,6 +153,7 @@ async def _forward(request: web.Request, front: Front, ns: str, name: str) -> we
             if replicas:
                 replica = front.pick(replicas)
                 front.inflight[replica.url] += 1
+                front.forwarded[key] += 1
                 try:
                     resp = await relay.relay(
                         request,
@@ -164,6 +168,7 @@ async def _forward(request: web.Request, front: Front, ns: str, name: str) -> we
                     resp = None  # it went away before taking the request: wait for another
                 finally:
                     front.inflight[replica.url] -= 1
+                    front.forwarded[key] -= 1
                 if resp is not None:
                     front.metrics.hold_seconds.labels(ns, name, "served").observe(
                         time.monotonic() - start
@@ -194,27 +199,30 @@ async def _forward(request: web.Request, front: Front, ns: str, name: str) -> we
             front.metrics.held.labels(ns, name).set(front.held[key])
 
 
-async def _queue(front: Front, replica: Replica) -> load.Queue:
+async def _queue(front: Front, replica: Replica) -> load.Queue | None:
+    """One replica's queue from vLLM's /metrics on its serve port; None: not readable."""
     try:
         async with front.client().get(
             replica.url + "/metrics", timeout=ClientTimeout(total=METRICS_TIMEOUT_S)
         ) as r:
             if r.status != 200:
                 log.warning("%s/metrics: HTTP %d", replica.url, r.status)
-                return load.Queue()
+                return None
             return load.parse_queue(await r.text())
     except (ClientError, TimeoutError) as e:
         log.warning("%s/metrics: %r", replica.url, e)
-        return load.Queue()
+        return None
 
 
 async def service_load(request: web.Request) -> web.Response:
     """vLLM's queue over the service's Ready replicas, plus the requests held here."""
     front = request.app[FRONT_KEY]
     ns, name = request.match_info["namespace"], request.match_info["service"]
+    key = (ns, name)
     replicas = await _replicas(front, ns, name)
     queues = await asyncio.gather(*(_queue(front, r) for r in replicas))
-    return web.json_response(load.total(list(queues), front.held[(ns, name)]).as_json())
+    got = load.total(list(queues), held=front.held[key], forwarded=front.forwarded[key])
+    return web.json_response(got.as_json())
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -20,7 +20,8 @@ import pytest
 from aiohttp import ClientSession, web
 from aiohttp.test_utils import TestServer
 from rekindle_front import load
-from rekindle_front.kube import Replica, ready_replicas
+from rekindle_front.cache import TtlCache
+from rekindle_front.kube import KubeError, Replica, ready_replicas
 from rekindle_front.server import Front, FrontConfig, app
 
 WAIT = 60.0
@@ -201,3 +202,34 @@ def test_the_replica_with_fewest_requests_from_the_front_is_picked(
     front.inflight.update(inflight)
     picked = front.pick([Replica("a", 1), Replica("b", 1)])
     assert want is None or picked.address == want
+
+
+def test_the_cache_shares_one_fetch_among_concurrent_callers_and_expires() -> None:
+    now = [0.0]
+    cache: TtlCache[str, int] = TtlCache(1.0, clock=lambda: now[0])
+    calls: list[int] = []
+    gate = asyncio.Event()
+
+    async def fetch() -> int:
+        calls.append(1)
+        await gate.wait()
+        return len(calls)
+
+    async def scenario() -> None:
+        waiting = [asyncio.create_task(cache.get("k", fetch)) for _ in range(50)]
+        await asyncio.sleep(0)
+        gate.set()
+        assert await asyncio.gather(*waiting) == [1] * 50
+        assert await cache.get("k", fetch) == 1  # fresh: no fetch
+        now[0] = 1.5
+        assert await cache.get("k", fetch) == 2  # expired: one more
+        assert len(calls) == 2
+
+        async def broken() -> int:
+            raise KubeError("no")
+
+        with pytest.raises(KubeError):
+            await cache.get("x", broken)
+        assert await cache.get("x", fetch) == 3  # an error is not cached
+
+    run(scenario())

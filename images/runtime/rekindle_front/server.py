@@ -24,10 +24,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from rekindle_agent.serving import relay, serve_routes
 
 from rekindle_front import load
+from rekindle_front.cache import TtlCache
 from rekindle_front.kube import KubeError, KubeReader, Replica
 
 log = logging.getLogger("rekindle.front")
 SERVE_PORT_NAME = "http"
+# How long the front trusts what it read from the API server: Ready replicas for a
+# poll interval (FrontConfig.poll_s), a service's existence for this long.
+EXISTS_TTL_S = 10.0
 HOLD_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300)
 # Below KEDA's own HTTP timeout (3 s): a busy replica's slow /metrics must not make
 # /load late; the front's own in-flight count stands in for what it could not read.
@@ -80,6 +84,8 @@ class Front:
         self.inflight: Tally[str] = Tally()  # per replica URL
         self.forwarded: Tally[tuple[str, str]] = Tally()  # in flight per service
         self.session: ClientSession | None = None
+        self.ready_cache: TtlCache[tuple[str, str], list[Replica]] = TtlCache(cfg.poll_s)
+        self.exists_cache: TtlCache[tuple[str, str], bool] = TtlCache(EXISTS_TTL_S)
 
     def client(self) -> ClientSession:
         if self.session is None or self.session.closed:
@@ -111,7 +117,9 @@ def unavailable(message: str, retry_after_s: int) -> web.Response:
 
 async def _replicas(front: Front, ns: str, name: str) -> list[Replica]:
     try:
-        return await front.kube.replicas(ns, name, SERVE_PORT_NAME)
+        return await front.ready_cache.get(
+            (ns, name), lambda: front.kube.replicas(ns, name, SERVE_PORT_NAME)
+        )
     except (KubeError, ClientError, TimeoutError) as e:
         log.warning("reading %s/%s's replicas: %s", ns, name, e)
         return []
@@ -135,7 +143,9 @@ async def _forward(request: web.Request, front: Front, ns: str, name: str) -> we
             f"no such route: {request.method} {path or raw}", 404, "invalid_request_error"
         )
     try:
-        exists = await front.kube.service_exists(ns, name)
+        exists = await front.exists_cache.get(
+            (ns, name), lambda: front.kube.service_exists(ns, name)
+        )
     except (KubeError, ClientError, TimeoutError) as e:
         return unavailable(
             f"cannot read InferenceService {ns}/{name}: {e}", front.cfg.retry_after_s
@@ -151,6 +161,10 @@ async def _forward(request: web.Request, front: Front, ns: str, name: str) -> we
         while True:
             replicas = await _replicas(front, ns, name)
             if replicas:
+                if holding:  # held no more: counted as forwarded from here
+                    holding = False
+                    front.held[key] -= 1
+                    front.metrics.held.labels(ns, name).set(front.held[key])
                 replica = front.pick(replicas)
                 front.inflight[replica.url] += 1
                 front.forwarded[key] += 1

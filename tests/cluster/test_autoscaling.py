@@ -52,12 +52,28 @@ def keda_crds() -> str:
     )
 
 
+def require_aggregation_layer() -> None:
+    """KEDA's metrics adapter is an extension API server: the apiserver must proxy to it."""
+    ca = kubectl(
+        "get", "configmap", "extension-apiserver-authentication", "-n", "kube-system",
+        "-o", "jsonpath={.data.requestheader-client-ca-file}", check=False,
+    ).stdout  # fmt: skip
+    if not ca.strip():
+        pytest.fail(
+            "the cluster's apiserver has no aggregation layer (--requestheader-client-ca-file), "
+            "which KEDA's metrics adapter needs; a local cluster started before "
+            "scripts/local-cluster set one up must be restarted: "
+            "`scripts/local-cluster down && scripts/local-cluster up --nodes 2`"
+        )
+
+
 @pytest.fixture(scope="module")
 def stack(cluster: dict[str, str]) -> Iterator[str]:
     """The chart with its operator, the front and KEDA, watching a fresh namespace."""
     for image, build in ((OPERATOR_IMAGE, "operator"), (RUNTIME_IMAGE, "runtime-cpu"),
                          (KEDA_IMAGE, "keda")):  # fmt: skip
         require_image(image, build)
+    require_aggregation_layer()
     install_crds()
     kubectl("apply", "--server-side", "--force-conflicts", "-f", keda_crds())
     ns = f"as-{uuid.uuid4().hex[:8]}"
@@ -112,6 +128,8 @@ def post(path: str, body: dict[str, Any], timeout: float) -> tuple[int, Any, flo
             return resp.status, json.loads(resp.read()), time.monotonic() - start
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode(errors="replace"), time.monotonic() - start
+    except (urllib.error.URLError, OSError) as e:  # no answer at all: status 0
+        return 0, repr(e), time.monotonic() - start
 
 
 def replicas(ns: str) -> tuple[int, int]:

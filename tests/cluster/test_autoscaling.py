@@ -113,6 +113,9 @@ def stack(cluster: dict[str, str]) -> Iterator[str]:
     kubectl("scale", "rkis", "--all", "-n", ns, "--replicas=0", check=False)
     kubectl("delete", "inferenceservices.rekindle.dev", "--all", "-n", ns, "--timeout=90s",
             check=False)  # fmt: skip
+    # KEDA's finalizer on the (owned, garbage-collected) ScaledObjects needs KEDA:
+    # they go before KEDA does.
+    kubectl("delete", "scaledobjects.keda.sh", "--all", "-n", ns, "--timeout=90s", check=False)
     helm("uninstall", name, "-n", ns, "--wait", check=False)
     kubectl("delete", "namespace", ns, "--wait=false", check=False)
 

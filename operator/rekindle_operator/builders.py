@@ -277,7 +277,7 @@ def scaled_object_name(name: str) -> str:
 
 # KEDA reads the front's /load this often; a request held at zero waits up to this long
 # before KEDA sees it, so it bounds the scale-from-zero answer.
-AUTOSCALING_POLL_S = 2
+AUTOSCALING_POLL_S = 1
 
 
 def build_scaled_object(

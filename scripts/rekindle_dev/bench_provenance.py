@@ -68,6 +68,13 @@ MEASURED_BY: dict[str, tuple[str, ...]] = {
         "images/runtime/rekindle_agent/checkpointing/criu.py",
         "criu-patches",
     ),
+    "scale-from-zero": (
+        "operator/rekindle_operator",
+        "charts/rekindle",
+        "images/runtime",
+        "scripts/local-cluster",
+        _DEV + "bench_scale_from_zero.py",
+    ),
     "scale-out": (
         "operator/rekindle_operator",
         "charts/rekindle",

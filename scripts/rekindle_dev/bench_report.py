@@ -83,6 +83,10 @@ SOURCES: dict[str, tuple[str, str]] = {
         "rekindle-dev bench store --size-mib 1024 --trials 5 --threads 8 --out docs/bench/store",
     ),
     "proxy": ("proxy/results.json", "rekindle-dev bench proxy --trials 3 --out docs/bench/proxy"),
+    "scale-from-zero": (
+        "scale-from-zero/results.json",
+        "rekindle-dev bench scale-from-zero --trials 3 --out docs/bench/scale-from-zero",
+    ),
     "gpu": (
         "gpu/results.json",
         "python3 -m rekindle_dev.gpu_probe --out DIR "
@@ -788,6 +792,19 @@ def section_embedded(res: Results, name: str, md: tuple[str, ...] = ("results.md
     if doc is not None and not (cmd and cmd in body):  # its own table already says both
         head.append(f"Machine: {load_note(doc)}." + (f" Command: `{cmd}`." if cmd else ""))
     return "\n".join([*head, "", body])
+
+
+SCALE_FROM_ZERO_NOTE = """\
+A service scaled to zero gets one request through the front (docs/autoscaling.md):
+the front holds it, KEDA (polling the front's /load every second) scales the
+service to one, the replica restores (front-restore) or boots (front-boot), and
+the request is answered. scale-restore is the same restore without the autoscaler
+or the front (`kubectl rekindle bench`'s trial: scale to 1 by hand, first token
+through the Service): the wait that autoscaling adds is front-restore minus it
+(issue 25's target: within 1 s). Checkpoint files read whole before each trial
+(residency in the file), arms interleaved.
+
+"""
 
 
 GPU_NOTE = """\
@@ -1511,6 +1528,10 @@ def report(bench: Path, command: str, repo: Path | None = None) -> str:
         (
             "Object store: the verified pull vs a plain parallel reader",
             lambda: STORE_NOTE + section_embedded(res, "store"),
+        ),
+        (
+            "Cluster: scale from zero through the front and KEDA",
+            lambda: SCALE_FROM_ZERO_NOTE + section_embedded(res, "scale-from-zero"),
         ),
         (
             "Serving path: the agent's proxy vs vLLM's own port",

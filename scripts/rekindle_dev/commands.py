@@ -39,6 +39,7 @@ from rekindle_dev import (
     bench_node_agent,
     bench_proxy,
     bench_report,
+    bench_scale_from_zero,
     bench_scale_out,
     bench_store,
     bench_suite,
@@ -142,6 +143,12 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     )
     bench_proxy.add_arguments(proxy)
     proxy.set_defaults(func=bench_proxy.run)
+    sfz = bsub.add_parser(
+        "scale-from-zero",
+        help="the first request at zero through the front and KEDA, restored vs booted",
+    )
+    bench_scale_from_zero.add_arguments(sfz)
+    sfz.set_defaults(func=bench_scale_from_zero.run)
     lad = bsub.add_parser("ladder", help="naive boot vs restore at 0.5B/1.5B/3B parameters")
     bench_ladder.add_arguments(lad)
     lad.set_defaults(func=bench_ladder.run)

@@ -100,6 +100,9 @@ def service(ns: str, name: str, host: str, **spec: Any) -> None:
     doc = yaml.safe_load((REPO / "examples" / "tiny-cpu.yaml").read_text())
     doc["metadata"] = {"name": name}
     doc["spec"]["coldStart"]["storage"]["hostPath"]["path"] = host
+    # Two replicas beside the operator, the front and KEDA on a 2-CPU node: the request
+    # only places the pod (no limit: each uses what is free, as in every other arm).
+    doc["spec"]["resources"]["cpu"] = "500m"
     doc["spec"].update(spec)
     na.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(doc))
 

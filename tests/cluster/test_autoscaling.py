@@ -11,6 +11,7 @@ the Service range's static band) and the chart is told to use them.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import threading
 import time
@@ -120,6 +121,11 @@ def stack(cluster: dict[str, str]) -> Iterator[str]:
     kubectl("delete", "scaledobjects.keda.sh", "--all", "-n", ns, "--timeout=90s", check=False)
     helm("uninstall", name, "-n", ns, "--wait", check=False)
     kubectl("delete", "namespace", ns, "--wait=false", check=False)
+    shutil.rmtree(host_root(ns), ignore_errors=True)  # no checkpoint here: CRIU's kdat cache
+
+
+def host_root(ns: str) -> str:
+    return f"/var/lib/rekindle/test-{ns}"
 
 
 def post(path: str, body: dict[str, Any], timeout: float) -> tuple[int, Any, float]:
@@ -154,7 +160,7 @@ def front_metric(line_start: str) -> float:
 def test_zero_to_one_on_a_held_request_then_two_under_load_then_zero(stack: str) -> None:
     ns = stack
     doc = isvc_manifest(
-        "auto", f"/var/lib/rekindle/test-{ns}", replicas=0,
+        "auto", host_root(ns), replicas=0,
         autoscaling={"minReplicas": 0, "maxReplicas": 2, "metric": "requests", "target": 2,
                      "scaleDownDelay": SCALE_DOWN_DELAY_S},
     )  # fmt: skip

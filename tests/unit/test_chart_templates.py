@@ -9,6 +9,7 @@ PodMonitor). Needs the pinned helm binary, which `scripts/build-kubernetes` buil
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -262,3 +263,45 @@ def test_warm_placement_reaches_the_operator_as_its_setting() -> None:
 
     assert setting() == "true"
     assert setting("warmPlacement=false") == "false"
+
+
+def test_the_front_and_keda_render_only_when_enabled_with_least_rights() -> None:
+    docs = render()
+    assert not [d for d in docs if d["kind"] == "APIService" or "front" in d["metadata"]["name"]]
+    env = one(docs, "Deployment", "rk-rekindle")["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert "REKINDLE_FRONT_URL" not in {e["name"] for e in env}
+
+    docs = render("front.enabled=true", "keda.enabled=true")
+    role = one(docs, "ClusterRole", "rk-rekindle-front")
+    assert role["rules"] == [
+        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list"]},
+        {"apiGroups": ["rekindle.dev"], "resources": ["inferenceservices"], "verbs": ["get"]},
+    ]
+    front = one(docs, "Deployment", "rk-rekindle-front")["spec"]["template"]["spec"]
+    assert front["containers"][0]["command"][-2:] == ["-m", "rekindle_front"]
+    assert front["securityContext"]["runAsNonRoot"] is True
+    assert "volumes" not in front  # no Secret, no token beyond its own ServiceAccount's
+    env = one(docs, "Deployment", "rk-rekindle")["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {
+        "name": "REKINDLE_FRONT_URL",
+        "value": "http://rk-rekindle-front.team-a.svc:8080",
+    } in env
+    api = one(docs, "APIService", "v1beta1.external.metrics.k8s.io")
+    assert api["spec"]["service"] == {"name": "keda-metrics-apiserver", "namespace": "team-a"}
+    adapter = one(docs, "Deployment", "keda-metrics-apiserver")["spec"]["template"]["spec"]
+    assert (
+        "--metrics-service-address=keda-operator.team-a.svc.cluster.local:9666"
+        in (adapter["containers"][0]["args"])
+    )
+    # The operator may manage ScaledObjects in its namespaces.
+    rules = one(docs, "Role", "rk-rekindle")["rules"]
+    assert {"apiGroups": ["keda.sh"], "resources": ["scaledobjects"],
+            "verbs": ["get", "create", "patch", "delete"]} in rules  # fmt: skip
+
+
+def test_a_grafana_dashboard_configmap_holds_valid_json() -> None:
+    cm = one(render("grafanaDashboard.enabled=true"), "ConfigMap", "rk-rekindle-dashboard")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dash = json.loads(cm["data"]["rekindle-dashboard.json"])
+    titles = [p["title"] for p in dash["panels"]]
+    assert any("held" in t for t in titles) and any("Cold starts" in t for t in titles)

@@ -233,3 +233,23 @@ def test_the_cache_shares_one_fetch_among_concurrent_callers_and_expires() -> No
         assert await cache.get("x", fetch) == 3  # an error is not cached
 
     run(scenario())
+
+
+def test_over_max_held_a_request_is_refused_at_once_and_the_counts_go_back_to_zero() -> None:
+    async def scenario() -> None:
+        cfg = FrontConfig(hold_timeout_s=WAIT, poll_s=0.01, max_held=1)
+        async with running(cfg) as (url, kube, rep), ClientSession() as s:
+            first = asyncio.create_task(s.post(f"{url}/ns/tiny/v1/completions", json={}))
+            for _ in range(1000):
+                if (await (await s.get(f"{url}/load/ns/tiny")).json())["held"] == 1:
+                    break
+                await asyncio.sleep(0.01)
+            second = await s.post(f"{url}/ns/tiny/v1/completions", json={})
+            assert second.status == 503
+            assert "--max-held" in (await second.json())["error"]["message"]
+            kube.ready["ns/tiny"] = [rep]
+            assert (await first).status == 200
+            got = await (await s.get(f"{url}/load/ns/tiny")).json()
+            assert (got["held"], got["forwarded"]) == (0, 0)
+
+    run(scenario())

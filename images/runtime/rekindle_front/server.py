@@ -18,6 +18,7 @@ import random
 import time
 from collections import Counter as Tally
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -133,14 +134,19 @@ async def forward(request: web.Request) -> web.StreamResponse:
     return resp
 
 
-async def _forward(request: web.Request, front: Front, ns: str, name: str) -> web.StreamResponse:
-    prefix = f"/{ns}/{name}"
+def _tail(request: web.Request, ns: str, name: str) -> str | None:
+    """The path after /NS/NAME (its query kept) if the agents would forward it, else None."""
+    prefix = f"/{ns}/{name}/"
     raw = request.raw_path
-    tail = raw[len(prefix) :] if raw.startswith(prefix + "/") else ""
-    path = tail.split("?", 1)[0]
-    if not serve_routes.allowed(request.method, path):
+    tail = raw[len(prefix) - 1 :] if raw.startswith(prefix) else ""
+    return tail if serve_routes.allowed(request.method, tail.split("?", 1)[0]) else None
+
+
+async def _forward(request: web.Request, front: Front, ns: str, name: str) -> web.StreamResponse:
+    tail = _tail(request, ns, name)
+    if tail is None:
         return relay.error(
-            f"no such route: {request.method} {path or raw}", 404, "invalid_request_error"
+            f"no such route: {request.method} {request.raw_path}", 404, "invalid_request_error"
         )
     try:
         exists = await front.exists_cache.get(
@@ -153,64 +159,104 @@ async def _forward(request: web.Request, front: Front, ns: str, name: str) -> we
     if not exists:
         return relay.error(f"no InferenceService {ns}/{name}", 404, "invalid_request_error")
     body = await request.read()
-    key = (ns, name)
-    start = time.monotonic()
-    deadline = start + front.cfg.hold_timeout_s
-    holding = False
+    hold = Hold(front, ns, name)
     try:
         while True:
             replicas = await _replicas(front, ns, name)
             if replicas:
-                if holding:  # held no more: counted as forwarded from here
-                    holding = False
-                    front.held[key] -= 1
-                    front.metrics.held.labels(ns, name).set(front.held[key])
-                replica = front.pick(replicas)
-                front.inflight[replica.url] += 1
-                front.forwarded[key] += 1
-                try:
-                    resp = await relay.relay(
-                        request,
-                        front.client(),
-                        replica.url + tail,
-                        body,
-                        timeout_s=front.cfg.upstream_timeout_s,
-                        upstream=f"replica {replica.address}",
-                        refused_is_error=False,
-                    )
-                except relay.UpstreamRefused:
-                    resp = None  # it went away before taking the request: wait for another
-                finally:
-                    front.inflight[replica.url] -= 1
-                    front.forwarded[key] -= 1
+                hold.release()  # held no more: counted as forwarded from here
+                resp = await _send(front, request, front.pick(replicas), tail, body, (ns, name))
                 if resp is not None:
-                    front.metrics.hold_seconds.labels(ns, name, "served").observe(
-                        time.monotonic() - start
-                    )
+                    hold.observe("served")
                     return resp
-            if not holding:
-                if front.held[key] >= front.cfg.max_held:
-                    return unavailable(
-                        f"{front.held[key]} requests already wait for {ns}/{name} (--max-held)",
-                        front.cfg.retry_after_s,
-                    )
-                holding = True
-                front.held[key] += 1
-                front.metrics.held.labels(ns, name).set(front.held[key])
-            if time.monotonic() >= deadline:
-                front.metrics.hold_seconds.labels(ns, name, "timeout").observe(
-                    time.monotonic() - start
-                )
-                return unavailable(
-                    f"no replica of {ns}/{name} became Ready within "
-                    f"{front.cfg.hold_timeout_s:g}s (--hold-timeout)",
-                    front.cfg.retry_after_s,
-                )
+            refused = hold.take()
+            if refused is not None:
+                return refused
             await asyncio.sleep(front.cfg.poll_s)
     finally:
-        if holding:
-            front.held[key] -= 1
-            front.metrics.held.labels(ns, name).set(front.held[key])
+        hold.release()
+
+
+class Hold:
+    """One request's wait for a Ready replica: counted in held (what /load and the
+    held gauge report) only while it waits; its hold time observed once."""
+
+    def __init__(self, front: Front, ns: str, name: str) -> None:
+        self.front, self.ns, self.name = front, ns, name
+        self.start = time.monotonic()
+        self.counted = False
+
+    def take(self) -> web.Response | None:
+        """Count the request held (if not yet); a response when it may wait no longer."""
+        front, key = self.front, (self.ns, self.name)
+        if not self.counted:
+            if front.held[key] >= front.cfg.max_held:
+                return unavailable(
+                    f"{front.held[key]} requests already wait for {self.ns}/{self.name} "
+                    "(--max-held)",
+                    front.cfg.retry_after_s,
+                )
+            self.counted = True
+            self._count(+1)
+        if time.monotonic() - self.start >= front.cfg.hold_timeout_s:
+            self.observe("timeout")
+            return unavailable(
+                f"no replica of {self.ns}/{self.name} became Ready within "
+                f"{front.cfg.hold_timeout_s:g}s (--hold-timeout)",
+                front.cfg.retry_after_s,
+            )
+        return None
+
+    def release(self) -> None:
+        if self.counted:
+            self.counted = False
+            self._count(-1)
+
+    def observe(self, outcome: str) -> None:
+        self.front.metrics.hold_seconds.labels(self.ns, self.name, outcome).observe(
+            time.monotonic() - self.start
+        )
+
+    def _count(self, delta: int) -> None:
+        key = (self.ns, self.name)
+        self.front.held[key] += delta
+        self.front.metrics.held.labels(self.ns, self.name).set(self.front.held[key])
+
+
+async def _send(
+    front: Front,
+    request: web.Request,
+    replica: Replica,
+    tail: str,
+    body: bytes,
+    key: tuple[str, str],
+) -> web.StreamResponse | None:
+    """Relay the request to replica; None if it refused the connection (it went away
+    before taking the request: nothing was sent, so the request may wait for another)."""
+    front.inflight[replica.url] += 1
+    front.forwarded[key] += 1
+    try:
+        return await relay.relay(
+            request,
+            front.client(),
+            replica.url + tail,
+            body,
+            timeout_s=front.cfg.upstream_timeout_s,
+            upstream=f"replica {replica.address}",
+            refused_is_error=False,
+        )
+    except relay.UpstreamRefused:
+        return None
+    finally:
+        _decrement(front.inflight, replica.url)
+        _decrement(front.forwarded, key)
+
+
+def _decrement(tally: Tally[Any], key: Any) -> None:
+    """One less; no zero entries kept (replicas and services come and go)."""
+    tally[key] -= 1
+    if not tally[key]:
+        del tally[key]
 
 
 async def _queue(front: Front, replica: Replica) -> load.Queue | None:

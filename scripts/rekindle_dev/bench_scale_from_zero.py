@@ -45,7 +45,7 @@ from rekindle_operator import cluster_bench
 from rekindle_operator.kube import Kube, load_configuration
 
 from rekindle_dev import bench_node_agent as na
-from rekindle_dev.bench_common import REPO, md_table, provenance
+from rekindle_dev.bench_common import REPO, md_table, provenance, pyplot, save_figure
 
 ARMS = ("front-restore", "front-boot", "scale-restore")
 SERVICE = {"front-restore": "auto", "front-boot": "autoboot", "scale-restore": "plain"}
@@ -62,6 +62,7 @@ def log(msg: str) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trials", type=int, default=3, help="trials per arm (median of these)")
     p.add_argument("--out", default="docs/bench/scale-from-zero")
+    p.add_argument("--replot", action="store_true", help="only redraw from OUT/results.json")
 
 
 def install(ns: str) -> None:
@@ -209,7 +210,41 @@ def markdown(doc: dict[str, Any]) -> str:
     )
 
 
+def plot(doc: dict[str, Any], path: Path) -> None:
+    """Each arm's trials as points over its median bar: the wait at zero, seconds."""
+    fig, ax = pyplot().subplots(figsize=(7, 4))
+    med = doc["summary"]["median_first_answer_s"]
+    for x, arm in enumerate(ARMS):
+        ax.bar(x, med[arm], color="#9cc3e6" if arm != "front-boot" else "#e6a99c", width=0.6)
+        ys = [t["first_answer_s"] for t in doc["trials"] if t["arm"] == arm]
+        ax.plot([x + 0.2] * len(ys), ys, "k.", markersize=8)
+        ax.annotate(
+            f"{med[arm]:.2f} s", (x - 0.1, med[arm]), xytext=(0, 4), textcoords="offset points",
+            ha="center", va="bottom", fontsize=9,
+        )  # fmt: skip
+    ax.set_xticks(range(len(ARMS)), ARMS)
+    ax.set_ylabel("seconds to the first answer (median; dots: trials)")
+    ax.grid(axis="y", alpha=0.3)
+    save_figure(
+        fig,
+        path,
+        "A request at zero: through the front and KEDA (restored, booted) "
+        "vs the restore scaled by hand",
+    )
+
+
+def render(out: Path, doc: dict[str, Any]) -> str:
+    text = markdown(doc)
+    (out / "results.md").write_text(text + "\n![the first answer per arm](results.png)\n")
+    plot(doc, out / "results.png")
+    return text
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.replot:
+        out = Path(args.out)
+        print(render(out, json.loads((out / "results.json").read_text())))
+        return 0
     if os.geteuid() != 0:
         raise SystemExit(
             "rekindle-dev bench scale-from-zero reads checkpoint files to warm them: run as root"
@@ -302,6 +337,5 @@ def run(args: argparse.Namespace) -> int:
         "summary": summarize(trials),
     }
     (out / "results.json").write_text(json.dumps(doc, indent=2) + "\n")
-    (out / "results.md").write_text(markdown(doc))
-    print(markdown(doc))
+    print(render(out, doc))
     return 0

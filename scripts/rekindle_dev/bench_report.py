@@ -353,7 +353,14 @@ def embed(bench: Path, sub: str, md_names: tuple[str, ...] = ("results.md",)) ->
     for name in md_names:
         p = bench / sub / name
         if p.exists():
-            out.append(demote(p.read_text().strip()))
+            # A results.md may show its plot by a path relative to itself; the plot is
+            # added below by a path relative to this page instead.
+            lines = p.read_text().strip().splitlines()
+            own_plot = {f"]({png})" for png in ("results.png", "bench.png")}
+            kept = [
+                ln for ln in lines if not (ln.startswith("![") and ln[ln.rfind("]") :] in own_plot)
+            ]
+            out.append(demote("\n".join(kept).strip()))
             break
     for png in ("results.png", "bench.png"):
         if (bench / sub / png).exists():

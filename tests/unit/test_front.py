@@ -100,6 +100,7 @@ async def fake_replica(request: web.Request) -> web.StreamResponse:
     if request.path == "/metrics":
         return web.Response(text=VLLM_METRICS)
     body = await request.json()
+    await asyncio.sleep(float(body.get("sleep", 0)))  # a slow answer
     return web.json_response({"path": request.path_qs, "echo": body})
 
 
@@ -113,6 +114,12 @@ async def running(cfg: FrontConfig) -> AsyncIterator[tuple[str, ScriptedKube, Re
         front = Front(kube, cfg)  # type: ignore[arg-type]
         async with TestServer(app(front), host="127.0.0.1") as server:
             yield f"http://127.0.0.1:{server.port}", kube, replica
+
+
+def sample(text: str, prefix: str) -> float:
+    """The value of the one exposition line starting with prefix."""
+    (line,) = [ln for ln in text.splitlines() if ln.startswith(prefix)]
+    return float(line.rsplit(" ", 1)[1])
 
 
 def run(coro: Any) -> Any:
@@ -145,6 +152,13 @@ def test_a_request_at_zero_is_held_then_served_and_counted_on_load() -> None:
             text = await (await s.get(f"{url}/metrics")).text()
             served = 'outcome="served",service="tiny"} 1.0'
             assert f'rekindle_front_hold_seconds_count{{namespace="ns",{served}' in text
+            # A request that finds a Ready replica is held 0 s however long its answer takes.
+            fast = 'rekindle_front_hold_seconds_bucket{le="0.1",namespace="ns",outcome="served"'
+            before = sample(text, fast)
+            slow = await s.post(f"{url}/ns/tiny/v1/completions", json={"sleep": 0.3})
+            assert slow.status == 200
+            after = sample(await (await s.get(f"{url}/metrics")).text(), fast)
+            assert after == before + 1
 
     run(scenario())
 

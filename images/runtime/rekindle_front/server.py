@@ -165,9 +165,10 @@ async def _forward(request: web.Request, front: Front, ns: str, name: str) -> we
             replicas = await _replicas(front, ns, name)
             if replicas:
                 hold.release()  # held no more: counted as forwarded from here
+                waited = hold.elapsed()  # the hold ends here, not with the answer
                 resp = await _send(front, request, front.pick(replicas), tail, body, (ns, name))
                 if resp is not None:
-                    hold.observe("served")
+                    hold.observe("served", waited)
                     return resp
             refused = hold.take()
             if refused is not None:
@@ -212,9 +213,12 @@ class Hold:
             self.counted = False
             self._count(-1)
 
-    def observe(self, outcome: str) -> None:
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def observe(self, outcome: str, seconds: float | None = None) -> None:
         self.front.metrics.hold_seconds.labels(self.ns, self.name, outcome).observe(
-            time.monotonic() - self.start
+            self.elapsed() if seconds is None else seconds
         )
 
     def _count(self, delta: int) -> None:

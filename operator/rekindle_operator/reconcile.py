@@ -200,29 +200,34 @@ def ensure_objects(
 def ensure_disruption_budget(kube: Kube, body: Body, spec: IsvcSpec) -> None:
     """The PodDisruptionBudget as spec.disruptionBudget says: applied, or (unset) our own
     removed. One somebody else made under that name is never touched (adoption.py)."""
-    pdb = b.build_disruption_budget(spec, owner=body)
-    if pdb is not None:
-        kube.apply(pdb)
-        return
-    name = b.disruption_budget_name(spec.name)
-    existing = kube.get("PodDisruptionBudget", spec.namespace, name)
-    uid = str((body.get("metadata") or {}).get("uid") or "")
-    if existing is not None and owned_by(existing, uid):
-        kube.delete("PodDisruptionBudget", spec.namespace, name)
+    _apply_or_remove_own(
+        kube, body, spec, b.build_disruption_budget(spec, owner=body),
+        "PodDisruptionBudget", b.disruption_budget_name(spec.name),
+    )  # fmt: skip
 
 
 def ensure_scaled_object(kube: Kube, body: Body, spec: IsvcSpec, front_url: str) -> None:
     """The KEDA ScaledObject as spec.autoscaling says: applied, or (unset) our own removed.
     Without spec.autoscaling no KEDA is needed: a missing CRD reads as no object."""
-    scaled = b.build_scaled_object(spec, front_url, owner=body) if front_url else None
-    if scaled is not None:
-        kube.apply(scaled)
+    _apply_or_remove_own(
+        kube, body, spec,
+        b.build_scaled_object(spec, front_url, owner=body) if front_url else None,
+        "ScaledObject", b.scaled_object_name(spec.name),
+    )  # fmt: skip
+
+
+def _apply_or_remove_own(
+    kube: Kube, body: Body, spec: IsvcSpec, want: Mapping[str, Any] | None, kind: str, name: str
+) -> None:
+    """An optional owned object: applied when wanted; otherwise removed if it is ours
+    (a controller owner reference to this InferenceService), else left alone."""
+    if want is not None:
+        kube.apply(want)
         return
-    name = b.scaled_object_name(spec.name)
-    existing = kube.get("ScaledObject", spec.namespace, name)
+    existing = kube.get(kind, spec.namespace, name)
     uid = str((body.get("metadata") or {}).get("uid") or "")
     if existing is not None and owned_by(existing, uid):
-        kube.delete("ScaledObject", spec.namespace, name)
+        kube.delete(kind, spec.namespace, name)
 
 
 def keep_checkpoints_current(

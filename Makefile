@@ -64,8 +64,9 @@ test-criu: preflight-criu env ## real CRIU dump/restore (root); builds CRIU on a
 	scripts/build-criu >/dev/null
 	$(PYTEST) -m "criu and not vllm"
 
-test-vllm: preflight-vllm env ## real vLLM CPU server: agent and weight reloader
+test-vllm: preflight-vllm env ## real vLLM CPU server: agent, weight reloader, a real router in front
 	scripts/build-criu >/dev/null
+	scripts/build-vllm-router >/dev/null
 	$(PYTEST) -m vllm
 
 test-cluster: preflight-cluster env cluster-up images ## the real local cluster: node, operator, chart

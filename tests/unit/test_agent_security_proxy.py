@@ -40,6 +40,7 @@ class FakeVllm:
         self.seen: list[str] = []
         self.arrived: asyncio.Queue[None] = asyncio.Queue()
         self.release = asyncio.Event()
+        self.metrics = ""  # what GET /metrics answers (Prometheus text)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         self.seen.append(f"{request.method} {request.path_qs}")
@@ -50,6 +51,8 @@ class FakeVllm:
                 self.arrived.put_nowait(None)
                 await self.release.wait()
             return web.json_response({"choices": [{"text": "ok"}]})
+        if request.path == "/metrics":
+            return web.Response(text=self.metrics, content_type="text/plain")
         return web.json_response({"path": request.path})
 
     async def wait_arrived(self, n: int) -> None:
@@ -200,6 +203,49 @@ async def _concurrency_and_drain(tmp_path: Path) -> None:
 
 def test_proxy_concurrency_limit_and_drain_timeout(tmp_path: Path) -> None:
     asyncio.run(_concurrency_and_drain(tmp_path))
+
+
+QUEUE = """# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="tiny"} 2.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="tiny"} 1.0
+"""
+
+
+async def _load_for_routers(tmp_path: Path) -> None:
+    async with (
+        serving(tmp_path, proxy_max_concurrency=1, proxy_timeout=WAIT) as sv,
+        ClientSession(timeout=ClientTimeout(total=WAIT)) as s,
+    ):
+        url = sv.url + api.PATH_SERVE_LOAD.lstrip("/")
+        sv.vllm.metrics = QUEUE
+        assert (await call(s, "GET", url))[0] == 401  # the API key, as on every serve route
+        assert (await call(s, "POST", url, headers=KEY))[0] == 405
+        async with s.get(url, headers=KEY) as r:
+            assert r.status == 200, await r.text()
+            assert await r.json() == {"load": 3, "running": 2.0, "waiting": 1.0}
+        # The one slot taken (the cap is 1): a completion is refused, the load still read.
+        held = asyncio.ensure_future(
+            call(s, "POST", sv.url + "v1/completions", json={"hold": 1}, headers=KEY)
+        )
+        await sv.vllm.wait_arrived(1)
+        assert (await call(s, "POST", sv.url + "v1/completions", json={}, headers=KEY))[0] == 429
+        async with s.get(url, headers=KEY) as r:
+            assert r.status == 200 and (await r.json())["load"] == 3
+        sv.vllm.release.set()
+        assert (await asyncio.wait_for(held, WAIT))[0] == 200
+        # Not serving (draining for a checkpoint, restoring): no queue to read, retry later.
+        sv.agent.set_state("Draining")
+        async with s.get(url, headers=KEY) as r:
+            assert r.status == 503 and r.headers["Retry-After"]
+        assert sv.vllm.seen.count("GET /metrics") == 2  # the agent answered, vLLM was only read
+        reads = sv.agent.metrics.registry.get_sample_value("rekindle_serve_load_reads_total")
+        assert reads == 2  # the two answered
+
+
+def test_serve_port_load_for_routers(tmp_path: Path) -> None:
+    """GET /get_load: vLLM's running + waiting, answered by the agent; never capped."""
+    asyncio.run(_load_for_routers(tmp_path))
 
 
 async def _slow_body(port: int, declared: int, sent: bytes) -> tuple[asyncio.StreamReader, Any]:

@@ -15,7 +15,7 @@ session, on first use (a test run alone makes what it needs):
 - tiny_ckpt: one boot of the tiny model that serves the churn workload (its
   outputs and memory are test_mmap_churn's reference), then is checkpointed
   under load; restored by test_agent_flow, test_agent_security, test_kdat_agent,
-  test_resident_agent, test_foreign_vllm and test_mmap_churn (always in a new
+  test_resident_agent, test_foreign_vllm, test_router and test_mmap_churn (always in a new
   namespace, never changed: damage goes to a shadow_checkpoint copy);
 - smollm2_ckpt: one boot of SmolLM2 that holds the KV test's conversation and
   the real-model answers, then is checkpointed; restored by test_real_model and

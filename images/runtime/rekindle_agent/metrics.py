@@ -50,6 +50,11 @@ class Metrics:
         self.refused = Counter(
             "rekindle_refused_requests_total", "Requests refused with 503 (not ready)", registry=r
         )
+        self.load_reads = Counter(
+            "rekindle_serve_load_reads_total",
+            "GET /get_load answered on the serve port (a load-aware router polling this replica)",
+            registry=r,
+        )
         self.ready_seconds = Gauge(
             "rekindle_time_to_ready_seconds",
             "Agent start to ready, by path",

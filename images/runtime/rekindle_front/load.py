@@ -1,51 +1,12 @@
-"""vLLM's Prometheus text to the numbers an autoscaler scales on."""
+"""The replicas' queues (read as the agent's serve port reads them) to what KEDA scales on."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-RUNNING = "vllm:num_requests_running"
-WAITING = "vllm:num_requests_waiting"
+from rekindle_agent.serving.vllm_queue import Queue, parse_queue
 
-
-@dataclass(frozen=True)
-class Queue:
-    """One replica's engine queue: requests being decoded and requests waiting."""
-
-    running: float = 0.0
-    waiting: float = 0.0
-
-
-def _sample(line: str) -> tuple[str, float] | None:
-    """(family, value) of one sample line `name{labels} value [timestamp]`; None otherwise."""
-    if not line or line.startswith("#"):
-        return None
-    if "{" in line:
-        name, _, rest = line.partition("{")
-        rest = rest.rpartition("}")[2]
-    else:
-        name, _, rest = line.partition(" ")
-    words = rest.split()
-    if not words:
-        return None
-    try:
-        return name.strip(), float(words[0])
-    except ValueError:
-        return None
-
-
-def parse_queue(text: str) -> Queue:
-    """Sum each family over its label sets (one per model and engine)."""
-    running = waiting = 0.0
-    for line in text.splitlines():
-        sample = _sample(line)
-        if sample is None:
-            continue
-        if sample[0] == RUNNING:
-            running += sample[1]
-        elif sample[0] == WAITING:
-            waiting += sample[1]
-    return Queue(running, waiting)
+__all__ = ["Queue", "ServiceLoad", "parse_queue", "total"]
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from rekindle_agent.agent import Agent
 from rekindle_agent.checkpointing import checkpoint
 from rekindle_agent.config import ConfigError, admin_tls_context
 from rekindle_agent.restoring import residency
-from rekindle_agent.serving import relay, serve_routes
+from rekindle_agent.serving import relay, serve_routes, vllm_queue
 from rekindle_agent.serving.auth import token_ok
 
 log = logging.getLogger("rekindle.server")
@@ -75,14 +75,17 @@ class Proxy:
     def drop_body_bytes(self, n: int) -> None:
         self.body_bytes -= n
 
-    def admit(self) -> str | None:
+    def admit(self, capped: bool = True) -> str | None:
         """Count a request in, or say why not ("state", "busy").
 
-        Atomic on the event loop: state check and count happen with no await between.
+        capped=False: a read of vLLM's metrics, small and never refused for the
+        concurrency cap (a saturated replica is exactly the one whose queue a router
+        or a scraper must see). Atomic on the event loop: state check and count
+        happen with no await between.
         """
         if self.agent.status.state != "Ready":
             return "state"
-        if self.inflight >= self.agent.cfg.proxy_max_concurrency:
+        if capped and self.inflight >= self.agent.cfg.proxy_max_concurrency:
             return "busy"
         self.inflight += 1
         self.idle.clear()
@@ -138,7 +141,9 @@ def _gate(request: web.Request, agent: Agent) -> web.Response | None:
             "missing or wrong API key", 401, "authentication_error", {"WWW-Authenticate": "Bearer"}
         )
     raw_path = request.raw_path.split("?", 1)[0]
-    if not serve_routes.allowed(request.method, raw_path):
+    if raw_path == api.PATH_SERVE_LOAD and request.method != "GET":
+        return error(f"{request.method} not allowed on {raw_path}", 405, "invalid_request_error")
+    if raw_path != api.PATH_SERVE_LOAD and not serve_routes.allowed(request.method, raw_path):
         if serve_routes.known_path(raw_path):
             return error(
                 f"{request.method} not allowed on {raw_path}", 405, "invalid_request_error"
@@ -213,6 +218,8 @@ async def proxy_handler(request: web.Request) -> web.StreamResponse:
         return refused
     if agent.status.state != "Ready":  # before reading a body that would be refused anyway
         return refuse(agent, f"agent is {agent.status.state}; retry")
+    if request.raw_path.split("?", 1)[0] == api.PATH_SERVE_LOAD:
+        return await serve_load(proxy)
     chunks: list[bytes] = []
     try:
         await read_body(request, proxy, chunks)
@@ -330,13 +337,20 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def vllm_metrics(proxy: Proxy) -> bytes:
+    """vLLM's `vllm:*` families for the admin /metrics; empty when they cannot be read:
+    the agent's own metrics must never wait on, or fail with, vLLM's."""
+    text = await read_vllm_metrics(proxy)
+    return b"" if text is None else only_vllm_families(text)
+
+
+async def read_vllm_metrics(proxy: Proxy) -> bytes | None:
     """vLLM's /metrics, counted as an in-flight request so a checkpoint drains it.
 
-    Empty when vLLM is not serving (restoring, checkpointing) or does not answer:
-    the agent's own metrics must never wait on, or fail with, vLLM's.
+    None when vLLM is not serving (restoring, checkpointing), answers other than 200,
+    or not within VLLM_METRICS_TIMEOUT_S.
     """
-    if proxy.admit() is not None:
-        return b""
+    if proxy.admit(capped=False) is not None:
+        return None
     try:
         async with proxy.client().get(
             proxy.agent.vllm_url + "/metrics",
@@ -344,13 +358,29 @@ async def vllm_metrics(proxy: Proxy) -> bytes:
             headers={"Accept-Encoding": "identity"},
             timeout=ClientTimeout(total=VLLM_METRICS_TIMEOUT_S),
         ) as resp:
-            if resp.status != 200:
-                return b""
-            return only_vllm_families(await resp.read())
+            return await resp.read() if resp.status == 200 else None
     except (ClientError, TimeoutError):
-        return b""
+        return None
     finally:
         proxy.release()
+
+
+async def serve_load(proxy: Proxy) -> web.Response:
+    """GET /get_load on the serve port: this replica's engine queue, for load-aware routers.
+
+    The agent answers it, from vLLM's own running and waiting gauges: vLLM has no
+    such route, and its /load counts HTTP requests only with a flag we do not set.
+    Read on each call (a router polls every few seconds), never cached, so a
+    router never balances on a stale queue.
+    """
+    text = await read_vllm_metrics(proxy)
+    if text is None:
+        return refuse(proxy.agent, "vLLM's metrics could not be read; retry")
+    queue = vllm_queue.parse_queue(text.decode("utf-8", "replace"))
+    proxy.agent.metrics.load_reads.inc()
+    return web.json_response(
+        {"load": queue.load, "running": queue.running, "waiting": queue.waiting}
+    )
 
 
 def only_vllm_families(text: bytes) -> bytes:

@@ -1,0 +1,58 @@
+"""vLLM's engine queue read from its Prometheus text: requests running and waiting.
+
+One reading for everything that answers "how loaded is this replica": the serve
+port's GET /get_load (what load-aware routers poll, server.py) and the front's
+/load, which KEDA scales on (rekindle_front). Both must agree on what counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+
+
+@dataclass(frozen=True)
+class Queue:
+    """One replica's engine queue: requests being decoded and requests waiting."""
+
+    running: float = 0.0
+    waiting: float = 0.0
+
+    @property
+    def load(self) -> int:
+        """Everything asking for the engine's time, as one whole number."""
+        return round(self.running + self.waiting)
+
+
+def _sample(line: str) -> tuple[str, float] | None:
+    """(family, value) of one sample line `name{labels} value [timestamp]`; None otherwise."""
+    if not line or line.startswith("#"):
+        return None
+    if "{" in line:
+        name, _, rest = line.partition("{")
+        rest = rest.rpartition("}")[2]
+    else:
+        name, _, rest = line.partition(" ")
+    words = rest.split()
+    if not words:
+        return None
+    try:
+        return name.strip(), float(words[0])
+    except ValueError:
+        return None
+
+
+def parse_queue(text: str) -> Queue:
+    """Sum each family over its label sets (one per model and engine)."""
+    running = waiting = 0.0
+    for line in text.splitlines():
+        sample = _sample(line)
+        if sample is None:
+            continue
+        if sample[0] == RUNNING:
+            running += sample[1]
+        elif sample[0] == WAITING:
+            waiting += sample[1]
+    return Queue(running, waiting)

@@ -285,6 +285,17 @@ def publication(agent: Agent, path: str) -> str | None:
     return str(last["published"]) if last.get("dir") == path and last.get("published") else None
 
 
+def pod_completion(kube: Kube, namespace: str, pod: str, model: str, timeout: float = 5.0) -> bool:
+    """One greedy token from that pod itself, through the apiserver's pod proxy."""
+    body = {"model": model, "prompt": "Hello", "max_tokens": 1, "temperature": 0}
+    url_path = f"/api/v1/namespaces/{namespace}/pods/{pod}:{SERVE_PORT}/proxy/v1/completions"
+    try:
+        reply = kube.request("POST", url_path, body, timeout=timeout)
+    except (KubeError, urllib3.exceptions.HTTPError, OSError, ValueError):
+        return False  # not serving yet, or a timeout
+    return bool(isinstance(reply, dict) and reply.get("choices"))
+
+
 def service_completion(
     kube: Kube, namespace: str, service: str, model: str, timeout: float = 5.0
 ) -> bool:

@@ -33,12 +33,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import urllib3
-from rekindle_contract.api import SERVE_PORT
-
 from rekindle_operator import builders as b
-from rekindle_operator import cluster_bench
-from rekindle_operator.kube import Kube, KubeError
+from rekindle_operator import cluster_bench, pods
+from rekindle_operator.kube import Kube
 from rekindle_operator.selection import pod_ready
 from rekindle_operator.spec import parse_spec
 
@@ -185,7 +182,11 @@ def one_trial(
                 cordoned = []
             if pod and ready_s is None and pod_ready(pod):
                 ready_s = time.monotonic() - t0
-            if pod and ready_s is not None and pod_completion(kube, p, pod["metadata"]["name"]):
+            if (
+                pod
+                and ready_s is not None
+                and pods.pod_completion(kube, p.ns, pod["metadata"]["name"], p.model)
+            ):
                 first_s = time.monotonic() - t0
             time.sleep(0.2)
     finally:
@@ -215,17 +216,6 @@ def one_trial(
         str(reported.get("coldStartPath", "")),
         dict(reported.get("restoreSeconds") or {}),
     )
-
-
-def pod_completion(kube: Kube, p: Plan, pod: str, timeout: float = 5.0) -> bool:
-    """One greedy token from that pod itself, through the apiserver's pod proxy."""
-    body = {"model": p.model, "prompt": "Hello", "max_tokens": 1, "temperature": 0}
-    url = f"/api/v1/namespaces/{p.ns}/pods/{pod}:{SERVE_PORT}/proxy/v1/completions"
-    try:
-        reply = kube.request("POST", url, body, timeout=timeout)
-    except (KubeError, urllib3.exceptions.HTTPError, OSError, ValueError):
-        return False
-    return bool(isinstance(reply, dict) and reply.get("choices"))
 
 
 def evict(kube: Kube, p: Plan, progress: Callable[[str], None], timeout: float = 180) -> None:

@@ -75,6 +75,14 @@ MEASURED_BY: dict[str, tuple[str, ...]] = {
         "scripts/local-cluster",
         _DEV + "bench_scale_from_zero.py",
     ),
+    "load-step": (
+        "operator/rekindle_operator",
+        "charts/rekindle",
+        "images/runtime",
+        "scripts/local-cluster",
+        _DEV + "bench_load_step.py",
+        _DEV + "bench_scale_from_zero.py",
+    ),
     "scale-out": (
         "operator/rekindle_operator",
         "charts/rekindle",

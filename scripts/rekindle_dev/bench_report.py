@@ -87,6 +87,10 @@ SOURCES: dict[str, tuple[str, str]] = {
         "scale-from-zero/results.json",
         "rekindle-dev bench scale-from-zero --trials 3 --out docs/bench/scale-from-zero",
     ),
+    "load-step": (
+        "load-step/results.json",
+        "rekindle-dev bench load-step --trials 3 --out docs/bench/load-step",
+    ),
     "gpu": (
         "gpu/results.json",
         "python3 -m rekindle_dev.gpu_probe --out DIR "
@@ -799,6 +803,19 @@ def section_embedded(res: Results, name: str, md: tuple[str, ...] = ("results.md
     if doc is not None and not (cmd and cmd in body):  # its own table already says both
         head.append(f"Machine: {load_note(doc)}." + (f" Command: `{cmd}`." if cmd else ""))
     return "\n".join([*head, "", body])
+
+
+LOAD_STEP_NOTE = """\
+A service with spec.autoscaling 1..2 idles at one replica; six clients start
+sending completions through the front (the step), KEDA asks for a second
+replica, which restores (step-restore) or boots (step-boot). Timed from the
+step to the scale decision and to the new replica's first token (asked of that
+pod itself); "from the decision" is the replica's own start, without the
+autoscaler's reaction. Issue 25's target: the step served by a restored replica
+at least 10x sooner than by a booted one. Checkpoint files read whole before
+each restore trial (residency in the file), arms interleaved.
+
+"""
 
 
 SCALE_FROM_ZERO_NOTE = """\
@@ -1539,6 +1556,10 @@ def report(bench: Path, command: str, repo: Path | None = None) -> str:
         (
             "Cluster: scale from zero through the front and KEDA",
             lambda: SCALE_FROM_ZERO_NOTE + section_embedded(res, "scale-from-zero"),
+        ),
+        (
+            "Cluster: a load step answered by a second replica",
+            lambda: LOAD_STEP_NOTE + section_embedded(res, "load-step"),
         ),
         (
             "Serving path: the agent's proxy vs vLLM's own port",

@@ -34,6 +34,7 @@ from rekindle_dev import (
     bench_kdat,
     bench_kv,
     bench_ladder,
+    bench_load_step,
     bench_local,
     bench_mm,
     bench_node_agent,
@@ -149,6 +150,12 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     )
     bench_scale_from_zero.add_arguments(sfz)
     sfz.set_defaults(func=bench_scale_from_zero.run)
+    step = bsub.add_parser(
+        "load-step",
+        help="a load step KEDA answers with a second replica, restored vs booted",
+    )
+    bench_load_step.add_arguments(step)
+    step.set_defaults(func=bench_load_step.run)
     lad = bsub.add_parser("ladder", help="naive boot vs restore at 0.5B/1.5B/3B parameters")
     bench_ladder.add_arguments(lad)
     lad.set_defaults(func=bench_ladder.run)

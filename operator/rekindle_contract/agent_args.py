@@ -205,6 +205,17 @@ class AgentArgs:
         "an error, so an allowed host cannot send vLLM elsewhere)",
         default=False,
     )
+    # LoRA serving (docs/agent.md, "LoRA adapters").
+    lora_max_adapters: int = _opt(
+        "serve LoRA adapters, at most this many in one batch (vLLM's --max-loras); 0: LoRA off",
+        default=0,
+    )
+    lora_max_rank: int = _opt("largest LoRA rank served (vLLM's --max-lora-rank)", default=16)
+    lora_adapters: str | None = _opt(
+        "LoRA adapters served from the start: NAME=DIR,... with each DIR inside --model's "
+        "directory, relative to it (rekindle_contract.lora)",
+        default=None,
+    )
     # Shutdown (docs/agent.md, "Shutdown"): within the pod's termination grace (30 s).
     shutdown_drain: float = _opt(
         "seconds after SIGTERM in which requests in flight (streams too) may finish; new "

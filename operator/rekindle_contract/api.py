@@ -46,6 +46,11 @@ PATH_CHECKPOINT = "/v1/checkpoint"
 # it into its verified cache in the background (202; 409 where storage is not node).
 PATH_PREWARM = "/v1/prewarm"
 PATH_METRICS = "/metrics"
+# POST {"name", "dir"}: vLLM loads that LoRA adapter (a directory inside the model's,
+# relative to it); POST {"name"}: it drops one. Only with LoRA on (the agent's
+# --lora-max-adapters); the serve port never forwards vLLM's own routes for this.
+PATH_LORA_LOAD = "/v1/lora/load"
+PATH_LORA_UNLOAD = "/v1/lora/unload"
 # Serve port, answered by the agent itself (never forwarded): GET gives the replica's
 # engine queue as {"load": running + waiting, "running": R, "waiting": W}, read from
 # vLLM's own metrics. "load" is what the vLLM router's power_of_two policy polls.
@@ -377,6 +382,15 @@ class AgentClient:
     def prewarm(self, directory: str) -> dict[str, Any]:
         """Have this pod's node cache the checkpoint directory names (answers at once)."""
         out: dict[str, Any] = self._call("POST", PATH_PREWARM, {"dir": directory})
+        return out
+
+    def load_lora(self, name: str, directory: str) -> dict[str, Any]:
+        """Have vLLM load the adapter in directory (relative to the model's) as name."""
+        out: dict[str, Any] = self._call("POST", PATH_LORA_LOAD, {"name": name, "dir": directory})
+        return out
+
+    def unload_lora(self, name: str) -> dict[str, Any]:
+        out: dict[str, Any] = self._call("POST", PATH_LORA_UNLOAD, {"name": name})
         return out
 
     def ready(self) -> bool:

@@ -37,11 +37,15 @@ MANAGED_VLLM_FLAGS = (
     "--kv-offloading-size",
     "--kv-offloading-backend",
     "--allowed-media-domains",
+    "--enable-lora",
+    "--max-loras",
+    "--max-lora-rank",
+    "--lora-modules",
 )
 # vLLM's short spellings of managed flags.
 MANAGED_VLLM_ALIASES = {"-tp": "--tensor-parallel-size"}
 # Managed switches vLLM also takes as `--no-NAME` (argparse's BooleanOptionalAction).
-MANAGED_VLLM_SWITCHES = ("--enable-sleep-mode",)
+MANAGED_VLLM_SWITCHES = ("--enable-sleep-mode", "--enable-lora")
 
 
 def managed_flag(arg: str) -> str | None:
@@ -112,6 +116,29 @@ def takes_images(config: Mapping[str, Any]) -> bool:
 
 
 @dataclass(frozen=True)
+class LoraOptions:
+    """vLLM's LoRA serving: adapters in one batch, their largest rank, and the adapters
+    served from the start as (name, absolute directory)."""
+
+    max_adapters: int = 1
+    max_rank: int = 16
+    adapters: tuple[tuple[str, str], ...] = ()
+
+
+def lora_argv(lora: LoraOptions) -> list[str]:
+    cmd = [
+        "--enable-lora",
+        "--max-loras",
+        str(lora.max_adapters),
+        "--max-lora-rank",
+        str(lora.max_rank),
+    ]
+    if lora.adapters:
+        cmd += ["--lora-modules", *(f"{name}={path}" for name, path in lora.adapters)]
+    return cmd
+
+
+@dataclass(frozen=True)
 class VllmOptions:
     """What to serve and how; `extra_args` are the user's, passed through verbatim."""
 
@@ -133,6 +160,7 @@ class VllmOptions:
     kv_store_dir: str | None = None
     # Hosts vLLM may fetch media URLs (image_url ...) from; empty: any host.
     allowed_media_domains: tuple[str, ...] = ()
+    lora: LoraOptions | None = None  # None: LoRA off
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -188,6 +216,8 @@ def vllm_argv(opts: VllmOptions, python: str = sys.executable) -> list[str]:
         ]
     if opts.allowed_media_domains:
         cmd += ["--allowed-media-domains", *opts.allowed_media_domains]
+    if opts.lora is not None:
+        cmd += lora_argv(opts.lora)
     return cmd + list(opts.extra_args)
 
 

@@ -2,7 +2,7 @@
 
 The agent's flags are declared once, in rekindle_contract.agent_args; this
 module only maps spec fields onto them. vLLM features (tensor parallel, the
-shared-memory multimodal cache, prefix caching, KV offload) are agent
+shared-memory multimodal cache, prefix caching, KV offload, LoRA) are agent
 settings, and the agent turns them into vLLM flags (rekindle_contract.vllm_argv),
 so the operator never writes a vLLM flag itself; the user's spec.vllmArgs pass
 through after `--`.
@@ -10,6 +10,7 @@ through after `--`.
 
 from __future__ import annotations
 
+from rekindle_contract import lora
 from rekindle_contract.agent_args import CUDA_PLUGIN_DIR, AgentArgs, agent_argv
 from rekindle_contract.pod import CHECKPOINT_MOUNT
 
@@ -58,6 +59,13 @@ def agent_args(spec: IsvcSpec) -> AgentArgs:
         media_redirects=spec.mm_media_redirects,
         shutdown_drain=shutdown_drain(spec.termination_grace_s),
         proxy_max_concurrency=spec.max_concurrent_requests,
+        lora_max_adapters=spec.lora.max_adapters if spec.lora else 0,
+        lora_max_rank=spec.lora.max_rank if spec.lora else 16,
+        lora_adapters=(
+            lora.format_adapters(list(spec.lora.adapters))
+            if spec.lora and spec.lora.adapters
+            else None
+        ),
         vllm_args=list(spec.vllm_args),
     )
 

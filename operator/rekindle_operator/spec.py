@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from rekindle_contract import lora as lora_rules
 from rekindle_contract.pod import (
     API_KEY_ENV,
     CHECKPOINT_ENV,
@@ -116,6 +117,20 @@ class Autoscaling:
 AUTOSCALING_METRICS = ("requests", "waiting")
 
 
+@dataclass(frozen=True)
+class Lora:
+    """spec.lora: vLLM serves LoRA adapters beside the base model.
+
+    adapters: (name, directory) served from the start, each directory inside the
+    model's and relative to it (rekindle_contract.lora); more can be loaded at
+    run time through the agent's admin API.
+    """
+
+    max_adapters: int = 1
+    max_rank: int = 16
+    adapters: tuple[tuple[str, str], ...] = ()
+
+
 def default_server_name(name: str, namespace: str) -> str:
     """The Service's cluster DNS name: what a cert-manager Certificate for it would name."""
     return f"{name}.{namespace}.svc"
@@ -199,6 +214,8 @@ class IsvcSpec:
     max_concurrent_requests: int = 256
     # spec.autoscaling: scale on load through KEDA (None: spec.replicas is the user's).
     autoscaling: Autoscaling | None = None
+    # spec.lora: LoRA adapters served beside the base model (None: LoRA off).
+    lora: Lora | None = None
 
     @property
     def mm_cache_undecided(self) -> bool:
@@ -319,6 +336,7 @@ def parse_spec(
         disruption_max_unavailable=_disruption_budget(spec.get("disruptionBudget")),
         max_concurrent_requests=int(spec.get("maxConcurrentRequests", 256)),
         autoscaling=_autoscaling(spec.get("autoscaling")),
+        lora=_lora(spec.get("lora")),
     )
     validate(out)
     return out
@@ -393,6 +411,46 @@ def _autoscaling(value: object) -> Autoscaling | None:
             f"({out.max_replicas})"
         )
     return out
+
+
+def _lora(value: object) -> Lora | None:
+    """spec.lora, checked as the CRD checks it (specs may skip the apiserver)."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise SpecError("spec.lora must be an object (maxAdapters, maxRank, adapters)")
+    max_adapters, max_rank = value.get("maxAdapters", 1), value.get("maxRank", 16)
+    if isinstance(max_adapters, bool) or not isinstance(max_adapters, int) or max_adapters < 1:
+        raise SpecError(f"spec.lora.maxAdapters: {max_adapters!r} is not a whole number >= 1")
+    if max_rank not in lora_rules.MAX_RANKS or isinstance(max_rank, bool):
+        ranks = ", ".join(map(str, lora_rules.MAX_RANKS))
+        raise SpecError(f"spec.lora.maxRank: {max_rank!r}; use one of {ranks}")
+    pairs = []
+    for i, a in enumerate(value.get("adapters") or []):
+        if not isinstance(a, Mapping) or not a.get("name") or not a.get("path"):
+            raise SpecError(f"spec.lora.adapters[{i}] needs name and path")
+        pairs.append((str(a["name"]), str(a["path"])))
+    try:
+        lora_rules.parse_adapters(lora_rules.format_adapters(pairs))
+    except lora_rules.LoraError as e:
+        raise SpecError(f"spec.lora.adapters: {e}") from e
+    return Lora(max_adapters, int(max_rank), tuple(pairs))
+
+
+def _validate_lora(s: IsvcSpec) -> None:
+    if s.lora is None:
+        return
+    if s.served_name in {n for n, _ in s.lora.adapters}:
+        raise SpecError(
+            f"spec.lora.adapters: {s.served_name!r} is the base model's name (spec.servedName "
+            "or the service's name); give the adapter another"
+        )
+    if s.model.kind == "source" and not s.model_source.startswith("/"):
+        raise SpecError(
+            "spec.lora: adapters are directories inside the model's directory, and "
+            f"spec.model.source {s.model_source!r} is a model id; use a directory (an "
+            "absolute path in the image), or a pvc, hostPath, huggingFace or s3 model"
+        )
 
 
 def _validate_rollout(s: IsvcSpec) -> None:
@@ -544,7 +602,8 @@ def validate(s: IsvcSpec) -> None:
                 )
             raise SpecError(
                 f"spec.vllmArgs sets {flag}{spelled}, which the operator manages: "
-                "use spec.model, spec.multimodal, spec.kvCache or spec.tensorParallelSize instead"
+                "use spec.model, spec.multimodal, spec.kvCache, spec.lora or "
+                "spec.tensorParallelSize instead"
             )
     for name in (e.name for e in s.env):
         if name in MANAGED_ENV:
@@ -560,6 +619,7 @@ def validate(s: IsvcSpec) -> None:
     _validate_kv_cache(s)
     _validate_keep_resident(s)
     _validate_rollout(s)
+    _validate_lora(s)
     if s.storage.type not in ("pvc", "hostPath", "node"):
         raise SpecError(
             f"spec.coldStart.storage.type is {s.storage.type!r}: use 'pvc', 'hostPath' or 'node'"

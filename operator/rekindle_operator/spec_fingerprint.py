@@ -41,6 +41,14 @@ def spec_fingerprint(spec: IsvcSpec) -> str:
         # vLLM runs another KV connector (and its I/O threads) with a store; which
         # volume backs it is the pod's business, like the checkpoints' storage.
         relevant["kvStore"] = True
+    if spec.lora is not None:
+        # vLLM's LoRA flags and the adapters it loads at start (a spec without LoRA
+        # keeps the fingerprint it had before spec.lora existed).
+        relevant["lora"] = [
+            spec.lora.max_adapters,
+            spec.lora.max_rank,
+            [list(a) for a in spec.lora.adapters],
+        ]
     relevant.update(process_extras(spec))
     blob = json.dumps(relevant, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()[:16]

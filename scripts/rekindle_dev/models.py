@@ -133,3 +133,50 @@ def model_digest(model_dir: Path) -> str:
                 for chunk in iter(lambda: f.read(1 << 20), b""):
                     h.update(chunk)
     return h.hexdigest()
+
+
+def generate_lora_adapter(
+    out_dir: Path, spec: TinyModelSpec | None = None, rank: int = 8, seed: int = 1
+) -> Path:
+    """Write a PEFT-format LoRA adapter for the tiny model (spec) into out_dir.
+
+    On q_proj and v_proj of every layer, with both A and B random (PEFT trains B
+    from zero; a random one makes the adapter change greedy output, which is what
+    a test of LoRA serving compares). seed picks a different adapter. Idempotent
+    like generate_tiny_model.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    spec = spec or TinyModelSpec()
+    out_dir = Path(out_dir)
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "target_modules": ["q_proj", "v_proj"],
+        "base_model_name_or_path": "tiny",
+        "rekindle_seed": seed,
+    }
+    stamp = out_dir / "adapter_config.json"
+    if stamp.exists() and json.loads(stamp.read_text()) == config:
+        return out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    head_dim = spec.hidden_size // spec.num_attention_heads
+    outs = {"q_proj": spec.hidden_size, "v_proj": spec.num_key_value_heads * head_dim}
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(spec.num_hidden_layers):
+        for proj, out in outs.items():
+            key = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+            a = torch.randn(rank, spec.hidden_size, generator=gen) * 0.2
+            b = torch.randn(out, rank, generator=gen) * 0.2
+            tensors[f"{key}.lora_A.weight"] = a.contiguous()
+            tensors[f"{key}.lora_B.weight"] = b.contiguous()
+    save_file(tensors, str(out_dir / "adapter_model.safetensors"))
+    stamp.write_text(json.dumps(config, sort_keys=True))
+    return out_dir

@@ -42,6 +42,10 @@ VALUES = {
     "--kv-offloading-size": "3",
     "--kv-offloading-backend": "lmcache",
     "--allowed-media-domains": "evil.example",
+    "--enable-lora": None,  # a switch
+    "--max-loras": "3",
+    "--max-lora-rank": "64",
+    "--lora-modules": "evil=/elsewhere",
 }
 
 

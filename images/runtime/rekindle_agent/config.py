@@ -19,7 +19,7 @@ from dataclasses import MISSING, Field, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from rekindle_contract import restore_pointer
+from rekindle_contract import lora, restore_pointer
 from rekindle_contract.agent_args import AgentArgs, flag
 from rekindle_contract.pod import (
     API_KEY_ENV,
@@ -121,6 +121,7 @@ class AgentConfig(AgentArgs):
                 f"--verify-checksums {self.verify_checksums} with --signing-key-file: a signed "
                 f"checkpoint needs a cryptographic content check ({' or '.join(SECURE_VERIFY)})"
             )
+        self._validate_lora()
         if self.checkpoint_root and not os.path.isabs(self.checkpoint_root):
             raise ConfigError("--checkpoint-root must be an absolute path")
         if self.service_uid and not self.checkpoint_root:
@@ -147,6 +148,29 @@ class AgentConfig(AgentArgs):
             )
         if self.admin_tls_cert and self.admin_tls_key:
             admin_tls_context(self.admin_tls_cert, self.admin_tls_key)
+
+    def _validate_lora(self) -> None:
+        if self.lora_max_adapters < 0:
+            raise ConfigError("--lora-max-adapters must be >= 0 (0: LoRA off)")
+        if self.lora_max_rank not in lora.MAX_RANKS:
+            ranks = ", ".join(map(str, lora.MAX_RANKS))
+            raise ConfigError(f"--lora-max-rank {self.lora_max_rank}: use one of {ranks}")
+        try:
+            adapters = lora.parse_adapters(self.lora_adapters)
+        except lora.LoraError as e:
+            raise ConfigError(f"--lora-adapters: {e}") from e
+        if adapters and not self.lora_max_adapters:
+            raise ConfigError("--lora-adapters needs --lora-max-adapters >= 1 (LoRA is off)")
+        if self.lora_max_adapters and not os.path.isabs(self.model):
+            raise ConfigError(
+                "LoRA adapters are directories inside the model's directory: --model must "
+                "be an absolute directory, not a model id"
+            )
+        if self.served_name in {n for n, _ in adapters}:
+            raise ConfigError(
+                f"--lora-adapters: {self.served_name!r} is the base model's name "
+                "(--served-name); give the adapter another"
+            )
 
     def _validate_ports(self) -> None:
         ports = {"serve_port": self.serve_port, "admin_port": self.admin_port}

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
-from rekindle_contract import api
+from rekindle_contract import api, lora
 from rekindle_store.resident_lock import ResidentLock
 
 from rekindle_agent.agent import Agent
@@ -526,6 +526,70 @@ async def post_prewarm(request: web.Request) -> web.Response:
     return web.json_response(body, status=202)
 
 
+async def _lora_body(request: web.Request, keys: tuple[str, ...]) -> dict[str, str]:
+    """The JSON object's string fields keys, each required; ValueError says what is wrong."""
+    try:
+        data = await request.json()
+    except json.JSONDecodeError as e:
+        raise ValueError(f"the body is not JSON: {e}") from e
+    if not isinstance(data, dict) or not all(isinstance(data.get(k), str) for k in keys):
+        raise ValueError(f"the body must be a JSON object with {' and '.join(keys)} (strings)")
+    return {k: data[k] for k in keys}
+
+
+async def _to_vllm(proxy: Proxy, path: str, body: dict[str, str]) -> web.Response:
+    """POST body to vLLM's own route path, counted in flight (a checkpoint drains it)."""
+    why = proxy.admit(capped=False)
+    if why is not None:
+        return refuse(proxy.agent, f"agent is {proxy.agent.status.state}; retry")
+    try:
+        async with proxy.client().post(
+            proxy.agent.vllm_url + path, json=body, timeout=ClientTimeout(total=120)
+        ) as resp:
+            text = await resp.text()
+        if resp.status != 200:
+            return web.json_response({"error": text.strip()}, status=resp.status)
+        return web.json_response({"result": text.strip()})
+    except (ClientError, TimeoutError) as e:
+        return web.json_response({"error": f"vLLM unreachable: {e!r}"}, status=502)
+    finally:
+        proxy.release()
+
+
+async def post_lora_load(request: web.Request) -> web.Response:
+    """Load a LoRA adapter from a directory inside the model's: vLLM's own
+    /v1/load_lora_adapter, reached only from here (the serve port never forwards it).
+
+    The adapter then lives in vLLM's memory: the next checkpoint holds it, and every
+    replica restored from that checkpoint serves it.
+    """
+    agent, proxy = request.app[AGENT_KEY], request.app[PROXY_KEY]
+    if not agent.cfg.lora_max_adapters:
+        return web.json_response({"error": "LoRA is off: set spec.lora"}, status=409)
+    try:
+        body = await _lora_body(request, ("name", "dir"))
+        name, rel = lora.check_name(body["name"]), lora.check_dir(body["dir"])
+    except ValueError as e:
+        return web.json_response({"error": str(e)}, status=400)
+    path = os.path.join(agent.cfg.model, rel)
+    if not os.path.isfile(os.path.join(path, "adapter_config.json")):
+        why = f"{rel} is not a LoRA adapter in the model's directory (no adapter_config.json)"
+        return web.json_response({"error": why}, status=404)
+    return await _to_vllm(proxy, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+
+
+async def post_lora_unload(request: web.Request) -> web.Response:
+    """Drop a loaded LoRA adapter (vLLM's /v1/unload_lora_adapter)."""
+    agent, proxy = request.app[AGENT_KEY], request.app[PROXY_KEY]
+    if not agent.cfg.lora_max_adapters:
+        return web.json_response({"error": "LoRA is off: set spec.lora"}, status=409)
+    try:
+        name = lora.check_name((await _lora_body(request, ("name",)))["name"])
+    except ValueError as e:
+        return web.json_response({"error": str(e)}, status=400)
+    return await _to_vllm(proxy, "/v1/unload_lora_adapter", {"lora_name": name})
+
+
 def admin_app(agent: Agent, proxy: Proxy, lock: ResidentLock | None = None) -> web.Application:
     app = web.Application(middlewares=[auth_middleware])
     app[AGENT_KEY] = agent
@@ -537,6 +601,8 @@ def admin_app(agent: Agent, proxy: Proxy, lock: ResidentLock | None = None) -> w
     app.router.add_get(api.PATH_METRICS, metrics)
     app.router.add_post(api.PATH_CHECKPOINT, post_checkpoint)
     app.router.add_post(api.PATH_PREWARM, post_prewarm)
+    app.router.add_post(api.PATH_LORA_LOAD, post_lora_load)
+    app.router.add_post(api.PATH_LORA_UNLOAD, post_lora_unload)
     return app
 
 

@@ -12,9 +12,16 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 
+from rekindle_contract import lora
 from rekindle_contract.manifest import RUN_CACHE_SUBDIR
 from rekindle_contract.rpc import WORKER_EXTENSION
-from rekindle_contract.vllm_argv import MM_AUTO_ENV, VllmOptions, takes_images, vllm_argv
+from rekindle_contract.vllm_argv import (
+    MM_AUTO_ENV,
+    LoraOptions,
+    VllmOptions,
+    takes_images,
+    vllm_argv,
+)
 
 from rekindle_agent.config import AgentConfig
 from rekindle_agent.mapped_files.weights_map import THP_ENV
@@ -84,8 +91,20 @@ def vllm_options(cfg: AgentConfig, env: Mapping[str, str] | None = None) -> Vllm
         kv_offload_gb=cfg.kv_offload_gb,
         kv_store_dir=cfg.kv_store_dir,
         allowed_media_domains=media_domains(cfg.allowed_media_domains),
+        lora=lora_options(cfg),
         extra_args=tuple(cfg.vllm_args),
     )
+
+
+def lora_options(cfg: AgentConfig) -> LoraOptions | None:
+    """The LoRA settings (None: off), each adapter's directory made absolute below --model."""
+    if not cfg.lora_max_adapters:
+        return None
+    adapters = tuple(
+        (name, os.path.join(cfg.model, path))
+        for name, path in lora.parse_adapters(cfg.lora_adapters)
+    )
+    return LoraOptions(cfg.lora_max_adapters, cfg.lora_max_rank, adapters)
 
 
 def cpu_threads_bind(cpus: Sequence[int], ranks: int) -> str:
@@ -112,6 +131,7 @@ def vllm_env(
     tensor_parallel_size: int = 1,
     media_redirects: bool = False,
     cpu_compile: bool = False,
+    runtime_lora: bool = False,
 ) -> dict[str, str]:
     """Environment for vLLM: offline, no telemetry, dev endpoints for sleep/collective_rpc.
 
@@ -125,6 +145,9 @@ def vllm_env(
     weights live in device memory, which is never mapped from the dump.
     Media URLs are fetched without following redirects unless media_redirects
     (vLLM follows them by default: an allowed host could send it anywhere).
+    With runtime_lora, vLLM's own routes that load and unload LoRA adapters are on:
+    only the agent reaches them (vLLM listens on loopback; the serve port never
+    forwards them), on the admin API's behalf.
     """
     env = dict(os.environ if base is None else base)
     env.update(
@@ -138,6 +161,8 @@ def vllm_env(
         UV_USE_IO_URING="0",
         VLLM_MEDIA_URL_ALLOW_REDIRECTS="1" if media_redirects else "0",
     )
+    if runtime_lora:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     if device == "cpu":
         env.setdefault("VLLM_TARGET_DEVICE", "cpu")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -187,5 +212,6 @@ def vllm_command(cfg: AgentConfig) -> tuple[list[str], dict[str, str]]:
         tensor_parallel_size=cfg.tensor_parallel_size,
         media_redirects=cfg.media_redirects,
         cpu_compile=cfg.cpu_compile,
+        runtime_lora=cfg.lora_max_adapters > 0,
     )
     return vllm_argv(vllm_options(cfg)), env

@@ -49,6 +49,15 @@ def test_sample_is_accepted_and_defaulted(namespace: str) -> None:
     assert "tiny" in kubectl("get", "rekindle", "-n", namespace).stdout
 
 
+def test_lora_is_accepted_and_defaulted(namespace: str) -> None:
+    lora = {"adapters": [{"name": "sql", "path": "adapters/sql-v2"}]}
+    r = apply(sample(lora=lora), namespace)
+    assert r.returncode == 0, r.stderr
+    got = kubectl_json("get", "rkis", "tiny", "-n", namespace)["spec"]["lora"]
+    assert got == {"maxAdapters": 1, "maxRank": 16, **lora}
+    assert parse_spec("tiny", namespace, {"model": {"source": "/m"}, "lora": got}).lora
+
+
 def test_shm_below_multimodal_cache_refused_with_what_to_change(namespace: str) -> None:
     err = refused(namespace, sample(sharedMemory={"size": "256Mi"}))
     assert "spec.sharedMemory.size 256Mi is below spec.multimodal.cacheSize 512Mi" in err
@@ -96,6 +105,15 @@ def test_negative_replicas_refused(namespace: str) -> None:
         ({"rollout": {"maxSurge": "150%"}}, "a count (0 or more) or a percentage"),
         ({"terminationGracePeriodSeconds": 2}, "greater than or equal to 5"),
         ({"maxConcurrentRequests": 0}, "greater than or equal to 1"),
+        ({"vllmArgs": ["--enable_lora"]}, "flag the operator manages"),
+        ({"lora": {"maxRank": 12}}, "supported values"),
+        ({"lora": {"adapters": [{"name": "sql", "path": "a/../b"}]}}, "without '.', '..'"),
+        ({"lora": {"adapters": [{"name": "sql", "path": "/abs"}]}}, "spec.lora.adapters[0].path"),
+        ({"lora": {"adapters": [{"name": ".x", "path": "a"}]}}, "spec.lora.adapters[0].name"),
+        (
+            {"lora": {"adapters": [{"name": "a", "path": "x"}, {"name": "a", "path": "y"}]}},
+            "Duplicate value",
+        ),
     ],
 )
 def test_other_refusals(namespace: str, spec: dict[str, Any], words: str) -> None:

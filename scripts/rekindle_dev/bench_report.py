@@ -806,7 +806,7 @@ def section_embedded(res: Results, name: str, md: tuple[str, ...] = ("results.md
 
 
 LOAD_STEP_NOTE = """\
-A service with spec.autoscaling 1..2 idles at one replica; six clients start
+A service with spec.autoscaling 1..2 idles at one replica; four clients start
 sending completions through the front (the step), KEDA asks for a second
 replica, which restores (step-restore) or boots (step-boot). Timed from the
 step to the scale decision and to the new replica's first token (asked of that

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from rekindle_agent.mapped_files.immutable import remove_tree
 from rekindle_operator import cluster_bench
 from rekindle_operator.kube import Kube, load_configuration
 
@@ -309,7 +310,8 @@ def run(args: argparse.Namespace) -> int:
                        capture_output=True, timeout=300)  # fmt: skip
         na.drop_finalizers(ns)
         na.kubectl("delete", "namespace", ns, "--wait=false", check=False)
-        subprocess.run(["rm", "-rf", host], check=False)
+        if Path(host).exists():
+            remove_tree(Path(host))  # proven checkpoint files are immutable: rm -rf cannot
     doc = {
         **provenance(
             "rekindle-dev bench scale-from-zero " + " ".join(shlex.quote(a) for a in sys.argv[3:]),

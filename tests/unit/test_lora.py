@@ -100,7 +100,7 @@ def test_the_agent_refuses_what_the_operator_would() -> None:
         ({"lora_max_adapters": 1, "lora_adapters": "model=a"}, "the base model's name"),
     ):
         with pytest.raises(ConfigError) as e:
-            AgentConfig(model="/m", **kw).validate()  # type: ignore[arg-type]
+            AgentConfig(model="/m", **kw).validate()
         assert words in str(e.value), (kw, str(e.value))
     assert lora.parse_adapters(lora.format_adapters([("a", "x/y"), ("b", "z")])) == [
         ("a", "x/y"),

@@ -21,7 +21,7 @@ import subprocess
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -84,9 +84,9 @@ def _load_reads(agent: AgentProc) -> float:
         return _sum(r.read().decode(), "rekindle_serve_load_reads_total")
 
 
-def _until(what: str, done: object) -> None:
+def _until(what: str, done: Callable[[], bool]) -> None:
     deadline = time.monotonic() + DEADLINE_S
-    while not done():  # type: ignore[operator]
+    while not done():
         if time.monotonic() > deadline:
             raise AssertionError(f"after {DEADLINE_S:.0f}s: {what}")
         time.sleep(0.1)
@@ -166,7 +166,7 @@ def test_router_routes_away_from_the_loaded_replica(
     replicas: tuple[AgentProc, AgentProc], router: str
 ) -> None:
     busy, idle = replicas
-    stop, errors = threading.Event(), []
+    stop, errors = threading.Event(), list[str]()
     clients = [
         threading.Thread(target=_keep_busy, args=(busy, stop, errors)) for _ in range(BUSY_CLIENTS)
     ]

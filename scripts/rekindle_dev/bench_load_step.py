@@ -36,25 +36,22 @@ import json
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 import threading
 import time
 import urllib.error
 import urllib.request
-import uuid
 from pathlib import Path
 from typing import Any
 
-from rekindle_agent.mapped_files.immutable import remove_tree
 from rekindle_operator import cluster_bench
-from rekindle_operator.kube import Kube, load_configuration
+from rekindle_operator.kube import Kube
 from rekindle_operator.pods import pod_completion
 from rekindle_operator.selection import pod_ready
 
 from rekindle_dev import bench_node_agent as na
 from rekindle_dev import bench_scale_from_zero as sfz
-from rekindle_dev.bench_common import REPO, md_table, provenance, pyplot, save_figure
+from rekindle_dev.bench_common import md_table, provenance, pyplot, save_figure
 
 ARMS = ("step-restore", "step-boot")
 CLIENTS = 4
@@ -258,12 +255,7 @@ def run(args: argparse.Namespace) -> int:
     started, load0 = time.time(), os.getloadavg()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    na.ENV.update(na.cluster_env())
-    kube = Kube(load_configuration(na.ENV["KUBECONFIG"]))
-    na.kubectl("apply", "-f", str(REPO / "charts/rekindle/files/crds"))
-    ns = f"bench-step-{uuid.uuid4().hex[:6]}"
-    na.kubectl("create", "namespace", ns)
-    host = f"/var/lib/rekindle/bench-{ns}"
+    kube, ns, host = sfz.open_namespace("bench-step")
     auto = {"minReplicas": 1, "maxReplicas": 2, "target": TARGET,
             "scaleDownDelay": SCALE_DOWN_DELAY_S}  # fmt: skip
     storage = {"type": "hostPath", "hostPath": {"path": host}}
@@ -296,17 +288,7 @@ def run(args: argparse.Namespace) -> int:
                     f"{t['requests']} requests, p50 {t['request_p50_s']}s"
                 )
     finally:
-        for name in ARMS:
-            na.kubectl("delete", "rkis", name, "-n", ns, "--timeout=120s", check=False)
-        na.kubectl(
-            "delete", "scaledobjects.keda.sh", "--all", "-n", ns, "--timeout=90s", check=False
-        )
-        subprocess.run(["helm", "uninstall", "rk", "-n", ns, "--wait"], env=na.ENV, check=False,
-                       capture_output=True, timeout=300)  # fmt: skip
-        na.drop_finalizers(ns)
-        na.kubectl("delete", "namespace", ns, "--wait=false", check=False)
-        if Path(host).exists():
-            remove_tree(Path(host))  # proven checkpoint files are immutable: rm -rf cannot
+        sfz.close_namespace(ns, ARMS, host)
     doc = {
         **provenance(
             "rekindle-dev bench load-step " + " ".join(shlex.quote(a) for a in sys.argv[3:]),

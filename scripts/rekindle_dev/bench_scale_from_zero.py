@@ -37,6 +37,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -241,6 +242,31 @@ def render(out: Path, doc: dict[str, Any]) -> str:
     return text
 
 
+def open_namespace(prefix: str) -> tuple[Kube, str, str]:
+    """The cluster's client, a fresh namespace (prefix-XXXXXX) with the CRDs applied, and
+    the node directory its hostPath checkpoints go to; what every autoscaling bench needs."""
+    na.ENV.update(na.cluster_env())
+    kube = Kube(load_configuration(na.ENV["KUBECONFIG"]))
+    na.kubectl("apply", "-f", str(REPO / "charts/rekindle/files/crds"))
+    ns = f"{prefix}-{uuid.uuid4().hex[:6]}"
+    na.kubectl("create", "namespace", ns)
+    return kube, ns, f"/var/lib/rekindle/bench-{ns}"
+
+
+def close_namespace(ns: str, services: Iterable[str], host: str) -> None:
+    """Undo open_namespace and install: the services, KEDA's objects, the chart, the
+    namespace, and the checkpoints on the node (immutable once proven: rm -rf cannot)."""
+    for name in services:
+        na.kubectl("delete", "rkis", name, "-n", ns, "--timeout=120s", check=False)
+    na.kubectl("delete", "scaledobjects.keda.sh", "--all", "-n", ns, "--timeout=90s", check=False)
+    subprocess.run(["helm", "uninstall", "rk", "-n", ns, "--wait"], env=na.ENV, check=False,
+                   capture_output=True, timeout=300)  # fmt: skip
+    na.drop_finalizers(ns)
+    na.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+    if Path(host).exists():
+        remove_tree(Path(host))
+
+
 def run(args: argparse.Namespace) -> int:
     if args.replot:
         out = Path(args.out)
@@ -253,12 +279,7 @@ def run(args: argparse.Namespace) -> int:
     started, load0 = time.time(), os.getloadavg()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    na.ENV.update(na.cluster_env())
-    kube = Kube(load_configuration(na.ENV["KUBECONFIG"]))
-    na.kubectl("apply", "-f", str(REPO / "charts/rekindle/files/crds"))
-    ns = f"bench-sfz-{uuid.uuid4().hex[:6]}"
-    na.kubectl("create", "namespace", ns)
-    host = f"/var/lib/rekindle/bench-{ns}"
+    kube, ns, host = open_namespace("bench-sfz")
     auto = {"minReplicas": 1, "maxReplicas": 1, "scaleDownDelay": SCALE_DOWN_DELAY_S}
     trials: list[dict[str, Any]] = []
     try:
@@ -301,17 +322,7 @@ def run(args: argparse.Namespace) -> int:
                     f"{t['first_answer_s']:.2f}s ({t['origin']})"
                 )
     finally:
-        for name in SERVICE.values():
-            na.kubectl("delete", "rkis", name, "-n", ns, "--timeout=120s", check=False)
-        na.kubectl(
-            "delete", "scaledobjects.keda.sh", "--all", "-n", ns, "--timeout=90s", check=False
-        )
-        subprocess.run(["helm", "uninstall", "rk", "-n", ns, "--wait"], env=na.ENV, check=False,
-                       capture_output=True, timeout=300)  # fmt: skip
-        na.drop_finalizers(ns)
-        na.kubectl("delete", "namespace", ns, "--wait=false", check=False)
-        if Path(host).exists():
-            remove_tree(Path(host))  # proven checkpoint files are immutable: rm -rf cannot
+        close_namespace(ns, SERVICE.values(), host)
     doc = {
         **provenance(
             "rekindle-dev bench scale-from-zero " + " ".join(shlex.quote(a) for a in sys.argv[3:]),

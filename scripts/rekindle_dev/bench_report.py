@@ -1011,8 +1011,7 @@ at saturation the agent keeps roughly 0.9-1.0x of vLLM's requests/s, streaming
 faring worse. The steadier figure is the proxy's CPU per request (the agent's
 CPU in its arm, less its CPU in the direct arm): since the agent runs on uvloop,
 about 0.5-1.5 ms per plain request and 1.2-3.2 ms per streamed one (about 0.1-0.2
-ms per streamed chunk; on asyncio's own loop a short run measured about a fifth
-more). On a node with cores to spare that is the whole cost. The design that
+ms per streamed chunk). On a node with cores to spare that is the whole cost. The design that
 removes the hop (vLLM serving the public port with its control routes off, the
 agent keeping the admin side) is not built. Besides moving the API key check,
 the allowlist, the 503 while not Ready and the drain into vLLM's process (an

@@ -37,6 +37,7 @@ HOLD_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300)
 # Below KEDA's own HTTP timeout (3 s): a busy replica's slow /metrics must not make
 # /load late; the front's own in-flight count stands in for what it could not read.
 METRICS_TIMEOUT_S = 1.5
+CONNECT_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,8 @@ class Front:
         self.held: Tally[tuple[str, str]] = Tally()
         self.inflight: Tally[str] = Tally()  # per replica URL
         self.forwarded: Tally[tuple[str, str]] = Tally()  # in flight per service
-        self.session: ClientSession | None = None
+        self.session: ClientSession | None = None  # metrics reads
+        self.upstreams = relay.Upstreams(CONNECT_TIMEOUT_S)  # requests relayed
         self.ready_cache: TtlCache[tuple[str, str], list[Replica]] = TtlCache(cfg.poll_s)
         self.exists_cache: TtlCache[tuple[str, str], bool] = TtlCache(EXISTS_TTL_S)
 
@@ -93,7 +95,9 @@ class Front:
             self.session = ClientSession(
                 connector=TCPConnector(limit=0),
                 timeout=ClientTimeout(
-                    total=None, sock_connect=5.0, sock_read=self.cfg.upstream_timeout_s
+                    total=None,
+                    sock_connect=CONNECT_TIMEOUT_S,
+                    sock_read=self.cfg.upstream_timeout_s,
                 ),
             )
         return self.session
@@ -104,6 +108,7 @@ class Front:
         return random.choice([r for r in replicas if self.inflight[r.url] == least])
 
     async def close(self) -> None:
+        await self.upstreams.close()
         if self.session is not None:
             await self.session.close()
         await self.kube.close()
@@ -242,8 +247,9 @@ async def _send(
     try:
         return await relay.relay(
             request,
-            front.client(),
-            replica.url + tail,
+            front.upstreams,
+            relay.Address(replica.address, replica.port),
+            tail,
             body,
             timeout_s=front.cfg.upstream_timeout_s,
             upstream=f"replica {replica.address}",

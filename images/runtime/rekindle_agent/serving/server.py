@@ -38,6 +38,7 @@ from rekindle_agent.config import ConfigError, admin_tls_context
 from rekindle_agent.restoring import residency
 from rekindle_agent.serving import relay, serve_routes, vllm_queue
 from rekindle_agent.serving.auth import token_ok
+from rekindle_agent.supervision.vllm_launch import VLLM_HOST
 
 log = logging.getLogger("rekindle.server")
 RETRY_AFTER_S = "2"
@@ -61,7 +62,9 @@ class Proxy:
         self.inflight = 0
         self.idle = asyncio.Event()
         self.idle.set()
-        self.session: ClientSession | None = None
+        self.session: ClientSession | None = None  # reads and control calls to vLLM
+        self.upstreams = relay.Upstreams(CONNECT_TIMEOUT_S)  # the serving path to vLLM
+        self.vllm = relay.Address(VLLM_HOST, agent.cfg.vllm_port)
         self.receiving = 0  # requests whose body is being read (no slot yet)
         self.body_bytes = 0  # bytes of request bodies held, received or arriving
 
@@ -115,6 +118,7 @@ class Proxy:
 
     async def close_connections(self) -> None:
         """No proxy connection to vLLM may be open while CRIU dumps it."""
+        await self.upstreams.close()
         if self.session is not None:
             await self.session.close()
             self.session = None
@@ -246,8 +250,9 @@ async def _forward(request: web.Request, proxy: Proxy, body: bytes) -> web.Strea
         # The API key stops here: never in vLLM's memory, so never in a checkpoint.
         return await relay.relay(
             request,
-            proxy.client(),
-            agent.vllm_url + request.raw_path,  # exactly the path the allowlist matched
+            proxy.upstreams,
+            proxy.vllm,
+            request.raw_path,  # exactly the path the allowlist matched
             body,
             drop_headers={"authorization"} if agent.api_key is not None else (),
             timeout_s=agent.cfg.proxy_timeout,

@@ -62,6 +62,13 @@ SCALE_DOWN_DELAY_S = 30
 TRIAL_TIMEOUT_S = 900
 MAX_TOKENS = 32
 MODEL = sfz.MODEL
+# Both arms: vLLM's OpenMP threads unpinned. By default (VLLM_CPU_OMP_THREADS_BIND
+# auto) every one-rank CPU replica pins them to the same core of this machine (core
+# 0, core 1 kept for the rest), so a boot beside the loaded replica got a share of
+# that one core: no first token in 900 s, where a restore answered in 19 s. On a
+# GPU node a new replica has a device of its own; unpinned, the two at least share
+# both cores as the kernel sees fit.
+UNPINNED = [{"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "nobind"}]
 
 
 def log(msg: str) -> None:
@@ -263,8 +270,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         log(f"installing the chart (operator, front, KEDA) in {ns}")
         sfz.install(ns)
-        sfz.service(ns, "step-restore", host, autoscaling=auto)
-        sfz.service(ns, "step-boot", host, autoscaling=auto,
+        sfz.service(ns, "step-restore", host, autoscaling=auto, env=UNPINNED)
+        sfz.service(ns, "step-boot", host, autoscaling=auto, env=UNPINNED,
                     coldStart={"restorePolicy": "Never", "storage": storage})  # fmt: skip
         log("booting and checkpointing")
         ckpt = sfz.checkpoint(kube, ns, "step-restore")
@@ -307,7 +314,8 @@ def run(args: argparse.Namespace) -> int:
             "step-boot": "the same with restorePolicy Never: the second replica boots",
         },
         "load": f"{CLIENTS} closed-loop clients through the front, {MAX_TOKENS} tokens each "
-        f"(ignore_eos); target {TARGET} requests per replica",
+        f"(ignore_eos); target {TARGET} requests per replica; both arms with "
+        "VLLM_CPU_OMP_THREADS_BIND=nobind (pinned, every replica shares core 0)",
         "timing": "from the step (the clients' start): decision_s (the scale subresource reads "
         "2), ready_s (the new pod Ready), first_token_s (one greedy token from the new pod "
         "through the apiserver's pod proxy, asked once it is Ready); new_replica_s = "

@@ -1007,11 +1007,18 @@ p50, at most 3% fewer requests/s at saturation. On this 2-core machine vLLM, the
 proxy and the load generator share the cores, so trials are noisy: a trial's p50
 moves by tens of milliseconds either way (the per-trial columns), far more than
 the 1 ms target, which this machine can therefore neither show met nor missed;
-at saturation the agent keeps roughly 0.9-1.0x of vLLM's requests/s, streaming
-faring worse. The steadier figure is the proxy's CPU per request (the agent's
-CPU in its arm, less its CPU in the direct arm): since the agent runs on uvloop,
-about 0.5-1.5 ms per plain request and 1.2-3.2 ms per streamed one (about 0.1-0.2
-ms per streamed chunk). On a node with cores to spare that is the whole cost. The design that
+a cell's ratio moves by about 10% from trial to trial, so a 3% target at
+saturation is decided by the median of five at best. The steadier figure is the
+proxy's CPU per request (the agent's CPU in its arm, less its CPU in the direct
+arm). Since the relay passes each streamed piece from vLLM's socket to the
+client's in one callback (plain HTTP/1.1 on kept-alive connections, no HTTP
+client decoding and re-encoding every chunk) it is about 0.3 ms per plain
+request and 0.9 ms per streamed one at saturation (with aiohttp's client, in an
+earlier run of the same cells from commit a84e139192, not this one: 0.54 and
+1.22 ms), about 40 µs per streamed piece, most of it the send itself: the floor of any proxy that
+forwards each token as it comes. On a node with cores to spare that CPU is the
+whole cost (about 1,000 streamed or 3,000 plain requests/s per proxy core); here
+it comes out of vLLM's own API server's share of the two cores. The design that
 removes the hop (vLLM serving the public port with its control routes off, the
 agent keeping the admin side) is not built. Besides moving the API key check,
 the allowlist, the 503 while not Ready and the drain into vLLM's process (an

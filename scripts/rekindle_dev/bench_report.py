@@ -817,7 +817,8 @@ each restore trial (residency in the file), arms interleaved. Both replicas
 share this machine's two cores with the load, the front, KEDA and the control
 plane: the load saturates them (load average 10 at the end), and a pod's start
 around the agent (scheduling, sandbox, container start: the gap between the
-agent's own ready time and the pod's Ready) took 5-43 s under it, in both arms. vLLM's OpenMP threads run unpinned in both arms: pinned (vLLM's default),
+agent's own ready time and the pod's Ready) took 5-43 s under it, in both
+arms. vLLM's OpenMP threads run unpinned in both arms: pinned (vLLM's default),
 every one-rank replica here binds them to core 0, and a booting replica beside
 the loaded one gave no first token within 900 s, where a restore answered in
 19 s (one trial each, commit 33568cc).

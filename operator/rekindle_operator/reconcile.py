@@ -104,20 +104,15 @@ def mark_stale(kube: Kube, spec: IsvcSpec, checkpoints: list[dict[str, Any]], em
 
 
 def check_autoscaling(spec: IsvcSpec, settings: Settings) -> None:
-    """spec.autoscaling needs the front (its /load is the metric, and it holds requests at
-    zero), and the front reads vLLM's /metrics on the serve port without an API key."""
+    """spec.autoscaling needs the front: its /load is the metric, and it holds requests at
+    zero. (An API key is no obstacle: the front reads each replica's GET /get_load, which
+    the agent answers without one.)"""
     if spec.autoscaling is None:
         return
     if not settings.front_url:
         raise SpecError(
             "spec.autoscaling needs the front, and this operator has none (REKINDLE_FRONT_URL "
             "is unset): install the chart with front.enabled=true, or remove spec.autoscaling"
-        )
-    if spec.api_key_secret is not None:
-        raise SpecError(
-            "spec.autoscaling with spec.apiKeySecretRef is not supported yet: the front reads "
-            "vLLM's queue from the serve port's /metrics, which the API key closes to it; "
-            "remove one of them"
         )
 
 

@@ -1,5 +1,7 @@
 """spec.autoscaling end to end, driven by a real KEDA: 0 -> 1 on a first request
 held by the front (answered, not refused), 1 -> 2 under load, back to 0 when idle.
+The service has an API key (spec.apiKeySecretRef): clients send it through the
+front, which holds none and still reads every replica's load.
 
 The chart installs everything in-cluster: the operator, the front and KEDA (the
 optional dependency, built from its Go module: `make images` loads
@@ -44,6 +46,7 @@ KEDA_IMAGE = "rekindle.local/keda:dev"
 # Long enough for the second replica to finish booting once the load stops (a boot
 # under full load on 2 cores takes minutes), short enough for the test.
 SCALE_DOWN_DELAY_S = 60
+API_KEY = "sk-autoscaling-" + uuid.uuid4().hex
 
 
 def keda_crds() -> str:
@@ -128,11 +131,14 @@ def host_root(ns: str) -> str:
     return f"/var/lib/rekindle/test-{ns}"
 
 
-def post(path: str, body: dict[str, Any], timeout: float) -> tuple[int, Any, float]:
-    """POST JSON through the front; (status, answer, seconds taken)."""
-    req = urllib.request.Request(
-        FRONT + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
+def post(
+    path: str, body: dict[str, Any], timeout: float, key: str | None = API_KEY
+) -> tuple[int, Any, float]:
+    """POST JSON through the front, with the service's API key; (status, answer, seconds)."""
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(FRONT + path, data=json.dumps(body).encode(), headers=headers)
     start = time.monotonic()
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
@@ -165,6 +171,9 @@ def test_zero_to_one_on_a_held_request_then_two_under_load_then_zero(stack: str)
                      "scaleDownDelay": SCALE_DOWN_DELAY_S},
     )  # fmt: skip
     doc["spec"]["resources"]["cpu"] = "500m"  # two replicas beside KEDA on 2 cores
+    kubectl("create", "secret", "generic", "auto-key", "-n", ns,
+            f"--from-literal=api-key={API_KEY}")  # fmt: skip
+    doc["spec"]["apiKeySecretRef"] = {"name": "auto-key"}
     assert apply(doc, ns).returncode == 0
     # The operator made the ScaledObject and KEDA took it (its HPA exists).
     wait_until(
@@ -194,6 +203,12 @@ def test_zero_to_one_on_a_held_request_then_two_under_load_then_zero(stack: str)
     )
     print(f"first request: answered after {waited:.1f}s, held {held_for:.1f}s")
     assert 0 < held_for <= waited
+    # The key is the agent's to check: without it, refused by the replica (through the front).
+    status, answer, _ = post(
+        f"/{ns}/auto/v1/completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 1}, 30,
+        key=None,
+    )  # fmt: skip
+    assert status == 401 and "API key" in answer, answer
 
     # 1 -> 2: six clients keep long completions in flight (target 2 per replica).
     stop = threading.Event()

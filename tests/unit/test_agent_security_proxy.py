@@ -219,24 +219,26 @@ async def _load_for_routers(tmp_path: Path) -> None:
     ):
         url = sv.url + api.PATH_SERVE_LOAD.lstrip("/")
         sv.vllm.metrics = QUEUE
-        assert (await call(s, "GET", url))[0] == 401  # the API key, as on every serve route
-        assert (await call(s, "POST", url, headers=KEY))[0] == 405
-        async with s.get(url, headers=KEY) as r:
+        # The one route open without the API key: routers and the front hold none.
+        async with s.get(url) as r:
             assert r.status == 200, await r.text()
             assert await r.json() == {"load": 3, "running": 2.0, "waiting": 1.0}
+        assert (await call(s, "POST", url))[0] == 401  # only GET is open
+        assert (await call(s, "POST", url, headers=KEY))[0] == 405
+        assert (await call(s, "GET", url + "/../v1/models"))[0] == 401  # no way past it
         # The one slot taken (the cap is 1): a completion is refused, the load still read.
         held = asyncio.ensure_future(
             call(s, "POST", sv.url + "v1/completions", json={"hold": 1}, headers=KEY)
         )
         await sv.vllm.wait_arrived(1)
         assert (await call(s, "POST", sv.url + "v1/completions", json={}, headers=KEY))[0] == 429
-        async with s.get(url, headers=KEY) as r:
+        async with s.get(url) as r:
             assert r.status == 200 and (await r.json())["load"] == 3
         sv.vllm.release.set()
         assert (await asyncio.wait_for(held, WAIT))[0] == 200
         # Not serving (draining for a checkpoint, restoring): no queue to read, retry later.
         sv.agent.set_state("Draining")
-        async with s.get(url, headers=KEY) as r:
+        async with s.get(url) as r:
             assert r.status == 503 and r.headers["Retry-After"]
         assert sv.vllm.seen.count("GET /metrics") == 2  # the agent answered, vLLM was only read
         reads = sv.agent.metrics.registry.get_sample_value("rekindle_serve_load_reads_total")
@@ -244,7 +246,8 @@ async def _load_for_routers(tmp_path: Path) -> None:
 
 
 def test_serve_port_load_for_routers(tmp_path: Path) -> None:
-    """GET /get_load: vLLM's running + waiting, answered by the agent; never capped."""
+    """GET /get_load: vLLM's running + waiting, answered by the agent without the API key;
+    never capped."""
     asyncio.run(_load_for_routers(tmp_path))
 
 

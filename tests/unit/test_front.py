@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from aiohttp import ClientSession, web
 from aiohttp.test_utils import TestServer
+from rekindle_agent.serving.vllm_queue import parse_queue
 from rekindle_front import load
 from rekindle_front.cache import TtlCache
 from rekindle_front.kube import KubeError, Replica, ready_replicas
@@ -41,9 +42,18 @@ vllm:kv_cache_usage_perc{model_name="tiny"} 0.5
 
 
 def test_the_queue_sums_each_family_over_its_label_sets() -> None:
-    assert load.parse_queue(VLLM_METRICS) == load.Queue(running=3.0, waiting=3.0)
-    assert load.parse_queue("vllm:num_requests_running 4\n") == load.Queue(running=4.0)
-    assert load.parse_queue("garbage {\n\n#\nvllm:num_requests_waiting x\n") == load.Queue()
+    assert parse_queue(VLLM_METRICS) == load.Queue(running=3.0, waiting=3.0)
+    assert parse_queue("vllm:num_requests_running 4\n") == load.Queue(running=4.0)
+    assert parse_queue("garbage {\n\n#\nvllm:num_requests_waiting x\n") == load.Queue()
+
+
+def test_a_get_load_answer_reads_back_as_the_queue_it_came_from() -> None:
+    queue = parse_queue(VLLM_METRICS)
+    assert queue.as_json() == {"load": 6, "running": 3.0, "waiting": 3.0}
+    assert load.parse_load(queue.as_json()) == queue
+    for bad in ([], {"load": 3}, {"running": "x", "waiting": 0}, {"running": -1, "waiting": 0}):
+        with pytest.raises(ValueError, match="/get_load answer"):
+            load.parse_load(bad)
 
 
 def test_load_adds_the_held_requests() -> None:
@@ -97,8 +107,8 @@ class ScriptedKube:
 
 
 async def fake_replica(request: web.Request) -> web.StreamResponse:
-    if request.path == "/metrics":
-        return web.Response(text=VLLM_METRICS)
+    if request.path == "/get_load":  # as the agent answers it, from vLLM's metrics
+        return web.json_response(parse_queue(VLLM_METRICS).as_json())
     body = await request.json()
     await asyncio.sleep(float(body.get("sleep", 0)))  # a slow answer
     return web.json_response({"path": request.path_qs, "echo": body})

@@ -256,11 +256,10 @@ def test_a_scaled_object_reads_the_fronts_load_and_is_removed_when_unset() -> No
     assert kube.get("ScaledObject", "ns", "x") is None
 
 
-def test_autoscaling_without_a_front_or_with_an_api_key_is_refused() -> None:
+def test_autoscaling_needs_the_front_and_takes_an_api_key() -> None:
     spec = parse(autoscaling={"maxReplicas": 2})
     with pytest.raises(SpecError, match=r"front\.enabled=true"):
         reconcile_mod.check_autoscaling(spec, Settings())
-    keyed = parse(autoscaling={"maxReplicas": 2}, apiKeySecretRef={"name": "k"})
-    with pytest.raises(SpecError, match="apiKeySecretRef is not supported yet"):
-        reconcile_mod.check_autoscaling(keyed, Settings(front_url="http://front:8080"))
     reconcile_mod.check_autoscaling(spec, Settings(front_url="http://front:8080"))
+    keyed = parse(autoscaling={"maxReplicas": 2}, apiKeySecretRef={"name": "k"})
+    reconcile_mod.check_autoscaling(keyed, Settings(front_url="http://front:8080"))

@@ -9,10 +9,10 @@ from zero), or answered 503 with Retry-After at --hold-timeout.
 
 `GET /load/<namespace>/<service>` is the autoscaler's metric source: vLLM's
 own queue (running and waiting requests, read from each Ready replica's serve
-port /metrics) plus the requests the front holds. The front reads only
+port GET /get_load, which needs no API key) plus the requests the front holds. The front reads only
 EndpointSlices and InferenceServices from the Kubernetes API, and holds no
 secret: the API key, where a service has one, is checked by its agent.
 
 Modules, top down: cli (entry point), server (aiohttp app: hold, forward,
-load), kube (the two reads from the API), load (vLLM's metrics to numbers).
+load), kube (the two reads from the API), load (the replicas' queues to /load).
 """

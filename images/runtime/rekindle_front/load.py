@@ -1,12 +1,13 @@
-"""The replicas' queues (read as the agent's serve port reads them) to what KEDA scales on."""
+"""The replicas' queues (each agent's GET /get_load) to what KEDA scales on."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rekindle_agent.serving.vllm_queue import Queue, parse_queue
+from rekindle_agent.serving.vllm_queue import Queue
+from rekindle_agent.serving.vllm_queue import queue_from_json as parse_load
 
-__all__ = ["Queue", "ServiceLoad", "parse_queue", "total"]
+__all__ = ["Queue", "ServiceLoad", "parse_load", "total"]
 
 
 @dataclass(frozen=True)
@@ -14,7 +15,7 @@ class ServiceLoad:
     """What /load answers: the queue over every Ready replica, plus the front's held.
 
     forwarded (requests the front has in flight to the replicas) is a floor for
-    running + waiting: a replica too busy to answer /metrics in time still counts
+    running + waiting: a replica too busy to answer /get_load in time still counts
     what the front sent it, so a loaded service never reads as idle to KEDA.
     """
 
@@ -23,7 +24,7 @@ class ServiceLoad:
     held: int
     forwarded: int
     replicas: int
-    unread: int = 0  # Ready replicas whose /metrics could not be read
+    unread: int = 0  # Ready replicas whose /get_load could not be read
 
     def as_json(self) -> dict[str, float | int]:
         active = max(self.running + self.waiting, float(self.forwarded))
@@ -41,7 +42,7 @@ class ServiceLoad:
 
 
 def total(queues: list[Queue | None], held: int, forwarded: int = 0) -> ServiceLoad:
-    """queues: one per Ready replica, None where its /metrics could not be read."""
+    """queues: one per Ready replica, None where its /get_load could not be read."""
     read = [q for q in queues if q is not None]
     return ServiceLoad(
         running=sum(q.running for q in read),

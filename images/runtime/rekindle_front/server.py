@@ -23,6 +23,7 @@ from typing import Any
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from rekindle_agent.serving import relay, serve_routes
+from rekindle_contract import api
 
 from rekindle_front import load
 from rekindle_front.cache import TtlCache
@@ -34,9 +35,9 @@ SERVE_PORT_NAME = "http"
 # poll interval (FrontConfig.poll_s), a service's existence for this long.
 EXISTS_TTL_S = 10.0
 HOLD_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300)
-# Below KEDA's own HTTP timeout (3 s): a busy replica's slow /metrics must not make
+# Below KEDA's own HTTP timeout (3 s): a busy replica's slow /get_load must not make
 # /load late; the front's own in-flight count stands in for what it could not read.
-METRICS_TIMEOUT_S = 1.5
+LOAD_TIMEOUT_S = 1.5
 CONNECT_TIMEOUT_S = 5.0
 
 
@@ -270,17 +271,17 @@ def _decrement(tally: Tally[Any], key: Any) -> None:
 
 
 async def _queue(front: Front, replica: Replica) -> load.Queue | None:
-    """One replica's queue from vLLM's /metrics on its serve port; None: not readable."""
+    """One replica's queue from its serve port's GET /get_load (vLLM's own gauges, read
+    by its agent; open without the service's API key); None: not readable."""
+    url = replica.url + api.PATH_SERVE_LOAD
     try:
-        async with front.client().get(
-            replica.url + "/metrics", timeout=ClientTimeout(total=METRICS_TIMEOUT_S)
-        ) as r:
+        async with front.client().get(url, timeout=ClientTimeout(total=LOAD_TIMEOUT_S)) as r:
             if r.status != 200:
-                log.warning("%s/metrics: HTTP %d", replica.url, r.status)
+                log.warning("%s: HTTP %d", url, r.status)
                 return None
-            return load.parse_queue(await r.text())
-    except (ClientError, TimeoutError) as e:
-        log.warning("%s/metrics: %r", replica.url, e)
+            return load.parse_load(await r.json())
+    except (ClientError, TimeoutError, ValueError) as e:
+        log.warning("%s: %r", url, e)
         return None
 
 

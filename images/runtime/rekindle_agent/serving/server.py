@@ -137,14 +137,22 @@ error = relay.error
 
 
 def _gate(request: web.Request, agent: Agent) -> web.Response | None:
-    """The checks before a request is admitted: API key, route, body size."""
-    if agent.api_key is not None and not token_ok(
-        agent.api_key, request.headers.get("Authorization")
+    """The checks before a request is admitted: API key, route, body size.
+
+    GET /get_load alone needs no API key: it tells the number of requests running
+    and waiting, nothing of them, and load-aware routers and the front (which
+    holds no service's key) must read it to balance and to scale.
+    """
+    raw_path = request.raw_path.split("?", 1)[0]
+    load_read = raw_path == api.PATH_SERVE_LOAD and request.method == "GET"
+    if (
+        agent.api_key is not None
+        and not load_read
+        and not token_ok(agent.api_key, request.headers.get("Authorization"))
     ):
         return error(
             "missing or wrong API key", 401, "authentication_error", {"WWW-Authenticate": "Bearer"}
         )
-    raw_path = request.raw_path.split("?", 1)[0]
     if raw_path == api.PATH_SERVE_LOAD and request.method != "GET":
         return error(f"{request.method} not allowed on {raw_path}", 405, "invalid_request_error")
     if raw_path != api.PATH_SERVE_LOAD and not serve_routes.allowed(request.method, raw_path):
@@ -383,9 +391,7 @@ async def serve_load(proxy: Proxy) -> web.Response:
         return refuse(proxy.agent, "vLLM's metrics could not be read; retry")
     queue = vllm_queue.parse_queue(text.decode("utf-8", "replace"))
     proxy.agent.metrics.load_reads.inc()
-    return web.json_response(
-        {"load": queue.load, "running": queue.running, "waiting": queue.waiting}
-    )
+    return web.json_response(queue.as_json())
 
 
 def only_vllm_families(text: bytes) -> bytes:

@@ -1,8 +1,9 @@
 """vLLM's engine queue read from its Prometheus text: requests running and waiting.
 
 One reading for everything that answers "how loaded is this replica": the serve
-port's GET /get_load (what load-aware routers poll, server.py) and the front's
-/load, which KEDA scales on (rekindle_front). Both must agree on what counts.
+port's GET /get_load (what load-aware routers poll, server.py), which the front
+reads back (queue_from_json) for its /load, which KEDA scales on (rekindle_front).
+Both must agree on what counts.
 """
 
 from __future__ import annotations
@@ -24,6 +25,23 @@ class Queue:
     def load(self) -> int:
         """Everything asking for the engine's time, as one whole number."""
         return round(self.running + self.waiting)
+
+    def as_json(self) -> dict[str, float | int]:
+        """The body of GET /get_load: "load" is the field the vLLM router reads."""
+        return {"load": self.load, "running": self.running, "waiting": self.waiting}
+
+
+def queue_from_json(doc: object) -> Queue:
+    """A GET /get_load body back into a Queue; ValueError if it is not one."""
+    if not isinstance(doc, dict):
+        raise ValueError(f"not a /get_load answer: {doc!r:.80}")
+    try:
+        running, waiting = float(doc["running"]), float(doc["waiting"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"not a /get_load answer: {doc!r:.80}") from e
+    if min(running, waiting) < 0:
+        raise ValueError(f"negative queue in /get_load answer: {doc!r:.80}")
+    return Queue(running, waiting)
 
 
 def _sample(line: str) -> tuple[str, float] | None:

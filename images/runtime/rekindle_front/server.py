@@ -86,7 +86,7 @@ class Front:
         self.held: Tally[tuple[str, str]] = Tally()
         self.inflight: Tally[str] = Tally()  # per replica URL
         self.forwarded: Tally[tuple[str, str]] = Tally()  # in flight per service
-        self.session: ClientSession | None = None  # metrics reads
+        self.session: ClientSession | None = None  # the replicas' /get_load reads
         self.upstreams = relay.Upstreams(CONNECT_TIMEOUT_S)  # requests relayed
         self.ready_cache: TtlCache[tuple[str, str], list[Replica]] = TtlCache(cfg.poll_s)
         self.exists_cache: TtlCache[tuple[str, str], bool] = TtlCache(EXISTS_TTL_S)

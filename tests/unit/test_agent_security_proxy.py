@@ -41,6 +41,7 @@ class FakeVllm:
         self.arrived: asyncio.Queue[None] = asyncio.Queue()
         self.release = asyncio.Event()
         self.metrics = ""  # what GET /metrics answers (Prometheus text)
+        self.metrics_status = 200
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         self.seen.append(f"{request.method} {request.path_qs}")
@@ -52,7 +53,9 @@ class FakeVllm:
                 await self.release.wait()
             return web.json_response({"choices": [{"text": "ok"}]})
         if request.path == "/metrics":
-            return web.Response(text=self.metrics, content_type="text/plain")
+            return web.Response(
+                text=self.metrics, content_type="text/plain", status=self.metrics_status
+            )
         return web.json_response({"path": request.path})
 
     async def wait_arrived(self, n: int) -> None:
@@ -234,15 +237,21 @@ async def _load_for_routers(tmp_path: Path) -> None:
         assert (await call(s, "POST", sv.url + "v1/completions", json={}, headers=KEY))[0] == 429
         async with s.get(url) as r:
             assert r.status == 200 and (await r.json())["load"] == 3
+        # vLLM's metrics unreadable (too busy to answer in time): the request the agent
+        # is relaying still counts, so the replica never reads as idle.
+        sv.vllm.metrics_status = 500
+        async with s.get(url) as r:
+            assert r.status == 200 and await r.json() == {"load": 1, "running": 1.0, "waiting": 0.0}
+        sv.vllm.metrics_status = 200
         sv.vllm.release.set()
         assert (await asyncio.wait_for(held, WAIT))[0] == 200
         # Not serving (draining for a checkpoint, restoring): no queue to read, retry later.
         sv.agent.set_state("Draining")
         async with s.get(url) as r:
             assert r.status == 503 and r.headers["Retry-After"]
-        assert sv.vllm.seen.count("GET /metrics") == 2  # the agent answered, vLLM was only read
+        assert sv.vllm.seen.count("GET /metrics") == 3  # the agent answered, vLLM was only read
         reads = sv.agent.metrics.registry.get_sample_value("rekindle_serve_load_reads_total")
-        assert reads == 2  # the two answered
+        assert reads == 3  # the three answered
 
 
 def test_serve_port_load_for_routers(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from aiohttp import ClientSession, web
 from aiohttp.test_utils import TestServer
+from rekindle_agent.serving import vllm_queue
 from rekindle_agent.serving.vllm_queue import parse_queue
 from rekindle_front import load
 from rekindle_front.cache import TtlCache
@@ -45,6 +46,12 @@ def test_the_queue_sums_each_family_over_its_label_sets() -> None:
     assert parse_queue(VLLM_METRICS) == load.Queue(running=3.0, waiting=3.0)
     assert parse_queue("vllm:num_requests_running 4\n") == load.Queue(running=4.0)
     assert parse_queue("garbage {\n\n#\nvllm:num_requests_waiting x\n") == load.Queue()
+
+
+def test_a_relayed_request_is_a_floor_for_the_queue() -> None:
+    assert vllm_queue.at_least(load.Queue(0, 0), 2) == load.Queue(running=2.0)
+    assert vllm_queue.at_least(load.Queue(1, 3), 2) == load.Queue(1, 3)
+    assert vllm_queue.at_least(load.Queue(1, 1), 5) == load.Queue(running=4.0, waiting=1.0)
 
 
 def test_a_get_load_answer_reads_back_as_the_queue_it_came_from() -> None:

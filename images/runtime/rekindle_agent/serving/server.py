@@ -65,6 +65,7 @@ class Proxy:
         self.session: ClientSession | None = None  # reads and control calls to vLLM
         self.upstreams = relay.Upstreams(CONNECT_TIMEOUT_S)  # the serving path to vLLM
         self.vllm = relay.Address(VLLM_HOST, agent.cfg.vllm_port)
+        self.forwarding = 0  # requests relayed to vLLM now (a floor for its queue)
         self.receiving = 0  # requests whose body is being read (no slot yet)
         self.body_bytes = 0  # bytes of request bodies held, received or arriving
 
@@ -254,6 +255,7 @@ async def _forward(request: web.Request, proxy: Proxy, body: bytes) -> web.Strea
         )
     if why is not None:
         return refuse(agent, f"agent is {agent.status.state}; retry")
+    proxy.forwarding += 1
     try:
         # The API key stops here: never in vLLM's memory, so never in a checkpoint.
         return await relay.relay(
@@ -268,6 +270,7 @@ async def _forward(request: web.Request, proxy: Proxy, body: bytes) -> web.Strea
             timeout_hint="--proxy-timeout",
         )
     finally:
+        proxy.forwarding -= 1
         proxy.release()
 
 
@@ -384,12 +387,15 @@ async def serve_load(proxy: Proxy) -> web.Response:
     The agent answers it, from vLLM's own running and waiting gauges: vLLM has no
     such route, and its /load counts HTTP requests only with a flag we do not set.
     Read on each call (a router polls every few seconds), never cached, so a
-    router never balances on a stale queue.
+    router never balances on a stale queue. The requests the agent is relaying to
+    vLLM are a floor for running + waiting, and the answer when vLLM is too busy
+    to answer its metrics in time: a saturated replica must never read as idle.
     """
     text = await read_vllm_metrics(proxy)
-    if text is None:
+    if text is None and proxy.agent.status.state != "Ready":
         return refuse(proxy.agent, "vLLM's metrics could not be read; retry")
-    queue = vllm_queue.parse_queue(text.decode("utf-8", "replace"))
+    read = vllm_queue.parse_queue(text.decode("utf-8", "replace")) if text else vllm_queue.Queue()
+    queue = vllm_queue.at_least(read, proxy.forwarding)
     proxy.agent.metrics.load_reads.inc()
     return web.json_response(queue.as_json())
 

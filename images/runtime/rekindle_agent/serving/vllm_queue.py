@@ -31,6 +31,15 @@ class Queue:
         return {"load": self.load, "running": self.running, "waiting": self.waiting}
 
 
+def at_least(queue: Queue, forwarded: int) -> Queue:
+    """queue, its running count raised to the requests known to be in vLLM's hands
+    (those the agent or the front relays): a metrics read that failed or lags never
+    makes a busy replica look idle."""
+    if forwarded <= queue.running + queue.waiting:
+        return queue
+    return Queue(running=float(forwarded) - queue.waiting, waiting=queue.waiting)
+
+
 def queue_from_json(doc: object) -> Queue:
     """A GET /get_load body back into a Queue; ValueError if it is not one."""
     if not isinstance(doc, dict):

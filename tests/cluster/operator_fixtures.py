@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -313,10 +314,15 @@ def wait_status(
 
 
 def http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 60) -> Any:
+    """POST (or GET) JSON; an HTTP error names the answer's body (who refused, and why)."""
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read())
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        answer = e.read().decode(errors="replace")[:2000]
+        raise AssertionError(f"{url}: HTTP {e.code}: {answer}") from e
 
 
 def service_url(name: str, namespace: str) -> str:

@@ -320,9 +320,9 @@ def http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 60)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return json.loads(resp.read())
-    except urllib.error.HTTPError as e:
+    except urllib.error.HTTPError as e:  # still an HTTPError (an OSError) for callers
         answer = e.read().decode(errors="replace")[:2000]
-        raise AssertionError(f"{url}: HTTP {e.code}: {answer}") from e
+        raise urllib.error.HTTPError(url, e.code, f"{e.reason}: {answer}", e.headers, None) from e
 
 
 def service_url(name: str, namespace: str) -> str:

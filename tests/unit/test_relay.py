@@ -157,18 +157,15 @@ class Front:
 
 
 @asynccontextmanager
-async def relayed(
-    upstream_app: web.Application, timeout_s: float = 10.0
-) -> AsyncIterator[tuple[Upstream, Front, relay.Upstreams]]:
-    """The upstream, and a relay in front of it (every path forwarded)."""
-    up = Upstream(upstream_app)
-    await up.server.start_server()
-    upstreams = relay.Upstreams(connect_timeout_s=2.0)
+async def front_for(
+    upstreams: relay.Upstreams, address: relay.Address, timeout_s: float = 10.0
+) -> AsyncIterator[Front]:
+    """A relay in front of address (every path forwarded), served as the agent serves."""
 
     async def forward(request: web.Request) -> web.StreamResponse:
         body = await request.read()
         return await relay.relay(
-            request, upstreams, up.address, request.raw_path, body,
+            request, upstreams, address, request.raw_path, body,
             drop_headers={"authorization"}, timeout_s=timeout_s, upstream="up",
         )  # fmt: skip
 
@@ -178,11 +175,40 @@ async def relayed(
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     try:
-        yield up, Front(runner), upstreams
+        yield Front(runner)
+    finally:
+        await runner.cleanup()
+
+
+@asynccontextmanager
+async def relayed(
+    upstream_app: web.Application, timeout_s: float = 10.0
+) -> AsyncIterator[tuple[Upstream, Front, relay.Upstreams]]:
+    """The upstream, and a relay in front of it (every path forwarded)."""
+    up = Upstream(upstream_app)
+    await up.server.start_server()
+    upstreams = relay.Upstreams(connect_timeout_s=2.0)
+    try:
+        async with front_for(upstreams, up.address, timeout_s) as front:
+            yield up, front, upstreams
     finally:
         await upstreams.close()
-        await runner.cleanup()
         await up.server.close()
+
+
+RawServe = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@asynccontextmanager
+async def raw_upstream(serve: RawServe) -> AsyncIterator[tuple[relay.Address, relay.Upstreams]]:
+    """An upstream written byte by byte (serve), and the pool that reaches it."""
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    upstreams = relay.Upstreams(connect_timeout_s=2.0)
+    try:
+        yield relay.Address("127.0.0.1", server.sockets[0].getsockname()[1]), upstreams
+    finally:
+        await upstreams.close()
+        server.close()
 
 
 def test_a_stream_arrives_as_it_is_sent_and_the_connection_is_reused(loop: str) -> None:
@@ -239,20 +265,14 @@ def test_a_kept_alive_connection_closed_under_a_request_is_retried_once(loop: st
             await reader.readuntil(b"\r\n\r\n")  # the next request: dropped unread
             writer.close()
 
-        server = await asyncio.start_server(serve, "127.0.0.1", 0)
-        address = relay.Address("127.0.0.1", server.sockets[0].getsockname()[1])
-        upstreams = relay.Upstreams(connect_timeout_s=2.0)
         request = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
-        try:
+        async with raw_upstream(serve) as (address, upstreams):
             for expected in (1, 2):
                 exchange = await upstreams.open(address, "GET", request, 5.0)
                 assert exchange.head.result().status == 200 and connections == expected
                 exchange.left = 0  # the 2-byte body came with the head
                 exchange.finished.set_result(None)
                 upstreams.release(exchange)
-        finally:
-            await upstreams.close()
-            server.close()
 
     run(scenario, loop)
 
@@ -395,25 +415,13 @@ def test_a_close_delimited_answer_reaches_a_chunked_client_whole(loop: str) -> N
             writer.write(b"and last")
             writer.close()
 
-        server = await asyncio.start_server(serve, "127.0.0.1", 0)
-        upstreams = relay.Upstreams(connect_timeout_s=2.0)
-        address = relay.Address("127.0.0.1", server.sockets[0].getsockname()[1])
-
-        async def forward(request: web.Request) -> web.StreamResponse:
-            return await relay.relay(request, upstreams, address, "/", b"", timeout_s=5.0)
-
-        app = web.Application()
-        app.router.add_get("/", forward)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        try:
-            async with ClientSession() as s, s.get(Front(runner).make_url("/")) as r:
-                assert r.headers["Transfer-Encoding"] == "chunked"
-                assert await r.read() == b"first and last"
-        finally:
-            await upstreams.close()
-            await runner.cleanup()
-            server.close()
+        async with (
+            raw_upstream(serve) as (address, upstreams),
+            front_for(upstreams, address) as front,
+            ClientSession() as s,
+            s.get(front.make_url("/")) as r,
+        ):
+            assert r.headers["Transfer-Encoding"] == "chunked"
+            assert await r.read() == b"first and last"
 
     run(scenario, loop)

@@ -5,9 +5,9 @@ The upstream side is plain HTTP/1.1 over kept-alive connections (`Upstreams`),
 driven at the protocol level: each piece of the answer's body that arrives is
 written to the client's socket from the upstream socket's own callback, as it came,
 chunk framing included. A streamed token therefore costs one receive and one send
-and no coroutine switch: about a third less CPU per streamed answer than aiohttp's
-client, which decoded every chunk and encoded it again (docs/benchmarks.md, the
-proxy section); what is left is mostly the send itself. On a node whose cores
+and no coroutine switch: a quarter to a third less CPU per streamed answer than
+aiohttp's client, which decoded every chunk and encoded it again (docs/benchmarks.md,
+the proxy section); what is left is mostly the send itself. On a node whose cores
 vLLM also needs, that CPU is throughput.
 
 Hop-by-hop headers never cross; a body the caller already holds goes up whole with

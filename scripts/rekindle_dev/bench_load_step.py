@@ -22,7 +22,10 @@ took a starting replica back and started another. Then the clients stop and KEDA
 the service back to one (scaleDownDelay SCALE_DOWN_DELAY_S).
 
 Arms interleaved, order alternating per trial; the checkpoint files are read
-whole before each trial of the restore arm (residency recorded). Target
+whole before each trial of the restore arm (residency recorded). Both arms keep
+their checkpoints where --storage says: node (the default, what a fleet runs: the
+node agent's verified cache, unprivileged pods) or hostPath (privileged pods; a
+restore hashes the checkpoint in its own pod first). Target
 (issue 25): the step served by a restored replica at least 10x sooner than by a
 booted one.
 
@@ -41,9 +44,11 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 from pathlib import Path
 from typing import Any
 
+from rekindle_agent.mapped_files.immutable import remove_tree
 from rekindle_operator import cluster_bench
 from rekindle_operator.kube import Kube
 from rekindle_operator.pods import pod_completion
@@ -69,6 +74,12 @@ MODEL = sfz.MODEL
 # GPU node a new replica has a device of its own; unpinned, the two at least share
 # both cores as the kernel sees fit.
 UNPINNED = [{"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "nobind"}]
+STORAGE = ("node", "hostPath")
+STORAGE_SAID = {
+    "node": "storage type node, the node agent's verified cache, unprivileged pods",
+    "hostPath": "storage type hostPath, privileged pods, each restore hashing the "
+    "checkpoint in its pod",
+}
 
 
 def log(msg: str) -> None:
@@ -79,6 +90,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trials", type=int, default=3, help="trials per arm (median of these)")
     p.add_argument("--out", default="docs/bench/load-step")
     p.add_argument("--replot", action="store_true", help="only redraw from OUT/results.json")
+    p.add_argument(
+        "--storage",
+        choices=STORAGE,
+        default="node",
+        help="where the checkpoint is kept, for both arms: node (the node agent's verified "
+        "cache, unprivileged pods: what a fleet runs) or hostPath (privileged pods, each "
+        "restore hashing the checkpoint in its pod)",
+    )
 
 
 class Load:
@@ -135,6 +154,42 @@ def at_one(kube: Kube, ns: str, name: str) -> str:
     return str(cluster_bench._pods(kube, ns, name)[0]["metadata"]["name"])
 
 
+class NodeAgent:
+    """The chart's node agent for --storage node, in a privileged namespace of its own
+    with a fresh state directory (its cache: what the restore arm's trials warm)."""
+
+    def __init__(self) -> None:
+        self.storage: dict[str, Any] = {"type": "node"}
+        self.state = Path(f"/var/lib/rekindle-cluster/bench-step-node-{uuid.uuid4().hex[:6]}")
+        self.entries = self.state / "cache" / "entries"
+        self.ns = ""
+
+    def start(self) -> None:
+        self.ns = na.namespace("bench-step-node", "privileged")
+        na.node_agent(self.ns, str(self.state))
+
+    def stop(self) -> None:
+        if self.ns:
+            na.kubectl("delete", "namespace", self.ns, "--timeout=180s", check=False)
+        if self.state.exists():
+            remove_tree(self.state)
+
+
+def restore_phases(kube: Kube, ns: str, name: str, pod: str, wait_s: float = 30) -> dict[str, Any]:
+    """The restored replica's phases as its agent reported them (the service's
+    status.pods[].restoreSeconds, refreshed every few seconds: waited for, bounded),
+    so a slow restore under load says where its seconds went; {} if never reported."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        st = (kube.get("InferenceService", ns, name) or {}).get("status") or {}
+        for x in st.get("pods") or []:
+            if x.get("name") == pod and x.get("restoreSeconds"):
+                return dict(x["restoreSeconds"])
+        if time.monotonic() >= deadline:
+            return {}
+        time.sleep(1)
+
+
 def trial(kube: Kube, ns: str, arm: str, i: int) -> dict[str, Any]:
     name = arm
     first = at_one(kube, ns, name)
@@ -162,11 +217,12 @@ def trial(kube: Kube, ns: str, arm: str, i: int) -> dict[str, Any]:
     if decision is None:
         raise SystemExit(f"{arm} trial {i}: a second replica came without the scale reading 2")
     origin, reason, agent_s = cluster_bench.pod_report(kube, ns, new_pod)
+    phases = restore_phases(kube, ns, name, new_pod) if origin == "restored" else {}
     lat = sorted(load.latencies)
     return {
         "arm": arm, "i": i, "decision_s": round(decision, 3), "ready_s": round(ready or 0, 3),
         "first_token_s": round(token, 3), "new_replica_s": round(token - decision, 3),
-        "origin": origin, "reason": reason, "agent_ready_s": agent_s,
+        "origin": origin, "reason": reason, "agent_ready_s": agent_s, "restore_s": phases,
         "requests": len(lat), "failures": len(load.failures), "pods_started": len(started),
         "request_p50_s": round(statistics.median(lat), 3) if lat else None,
         "request_max_s": round(lat[-1], 3) if lat else None,
@@ -205,6 +261,11 @@ def markdown(doc: dict[str, Any]) -> str:
             + [" / ".join(f"{t['request_p50_s']}" for t in ts)]
         )
     verdict = {True: "met", False: "missed"}
+    phases = [t.get("restore_s") or {} for t in doc["trials"] if t["arm"] == "step-restore"]
+    keys = sorted({k for ph in phases for k in ph})
+    said = ", ".join(
+        f"{k} {statistics.median(ph[k] for ph in phases if k in ph):.2f}" for k in keys
+    )
     head = [
         "arm",
         "scale decision s (per trial)",
@@ -214,11 +275,17 @@ def markdown(doc: dict[str, Any]) -> str:
     ]
     return (
         "# Load step: a second replica under load, restored vs booted\n\n"
+        f"Checkpoints (both arms): {STORAGE_SAID[doc.get('storage', 'hostPath')]}.\n\n"
         + md_table(head, rows)
         + f"\nFrom the step: boot / restore {s['boot_over_restore_from_step']}x "
         f"(target 10x: {verdict[s['target_met_from_step']]}); the replica's own start, from "
         f"the autoscaler's decision: {s['boot_over_restore_new_replica']}x "
         f"(10x: {verdict[s['target_met_new_replica']]})\n"
+        + (
+            f"\nThe restore's phases in the new replica's agent, medians (s): {said}.\n"
+            if said
+            else ""
+        )
     )
 
 
@@ -265,17 +332,24 @@ def run(args: argparse.Namespace) -> int:
     kube, ns, host = sfz.open_namespace("bench-step")
     auto = {"minReplicas": 1, "maxReplicas": 2, "target": TARGET,
             "scaleDownDelay": SCALE_DOWN_DELAY_S}  # fmt: skip
-    storage = {"type": "hostPath", "hostPath": {"path": host}}
+    nodes = NodeAgent() if args.storage == "node" else None
+    storage = nodes.storage if nodes else {"type": "hostPath", "hostPath": {"path": host}}
     trials: list[dict[str, Any]] = []
     try:
+        if nodes:
+            log("starting the node agent (its own privileged namespace)")
+            nodes.start()
         log(f"installing the chart (operator, front, KEDA) in {ns}")
         sfz.install(ns)
-        sfz.service(ns, "step-restore", host, autoscaling=auto, env=UNPINNED)
+        sfz.service(ns, "step-restore", host, autoscaling=auto, env=UNPINNED,
+                    coldStart={"storage": storage})  # fmt: skip
         sfz.service(ns, "step-boot", host, autoscaling=auto, env=UNPINNED,
                     coldStart={"restorePolicy": "Never", "storage": storage})  # fmt: skip
         log("booting and checkpointing")
         ckpt = sfz.checkpoint(kube, ns, "step-restore")
         root = Path(host) / ns / "step-restore" / Path(ckpt["path"]).name
+        if nodes:
+            root = nodes.entries
         for i in range(args.trials):
             for arm in ARMS if i % 2 == 0 else ARMS[::-1]:
                 res: dict[str, Any] = {}
@@ -296,6 +370,8 @@ def run(args: argparse.Namespace) -> int:
                 )
     finally:
         sfz.close_namespace(ns, ARMS, host)
+        if nodes:
+            nodes.stop()
     doc = {
         **provenance(
             "rekindle-dev bench load-step " + " ".join(shlex.quote(a) for a in sys.argv[3:]),
@@ -313,6 +389,7 @@ def run(args: argparse.Namespace) -> int:
             "step-restore": "spec.autoscaling 1..2; the second replica restores the checkpoint",
             "step-boot": "the same with restorePolicy Never: the second replica boots",
         },
+        "storage": args.storage,
         "load": f"{CLIENTS} closed-loop clients through the front, {MAX_TOKENS} tokens each "
         f"(ignore_eos); target {TARGET} requests per replica; both arms with "
         "VLLM_CPU_OMP_THREADS_BIND=nobind (pinned, every replica shares core 0)",

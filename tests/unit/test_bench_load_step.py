@@ -42,3 +42,17 @@ def test_the_table_lists_every_trial_and_both_verdicts() -> None:
     assert "| step-boot | 5.50 (5.00 / 6.00 / 5.50) | 41.50 (45.00 / 40.00 / 41.50) |" in md
     assert "boot / restore 5.19x (target 10x: missed)" in md
     assert "decision: 14.4x (10x: met)" in md
+
+
+def test_the_table_says_the_storage_and_the_restore_phases() -> None:
+    trials = [
+        {**t, "restore_s": {"criu_restore": 0.4 + t["i"], "total": 1.0 + t["i"]}}  # type: ignore[operator]
+        if t["arm"] == "step-restore"
+        else t
+        for t in TRIALS
+    ]
+    md = markdown({"trials": trials, "summary": summarize(trials), "storage": "node"})
+    assert "storage type node, the node agent's verified cache" in md
+    assert "medians (s): criu_restore 1.40, total 2.00." in md
+    old = markdown({"trials": TRIALS, "summary": summarize(TRIALS)})  # before --storage
+    assert "storage type hostPath" in old and "phases" not in old

@@ -21,7 +21,9 @@ max, says what the clients felt meanwhile; pods_started > 1 says the autoscaler
 took a starting replica back and started another. Then the clients stop and KEDA takes
 the service back to one (scaleDownDelay SCALE_DOWN_DELAY_S).
 
-Arms interleaved, order alternating per trial; the checkpoint files are read
+Arms interleaved, order alternating per trial, each trial starting with both
+services back at one replica (the previous trial's second replica gone, whichever
+arm it was); the checkpoint files are read
 whole before each trial of the restore arm (residency recorded). Both arms keep
 their checkpoints where --storage says: node (the default, what a fleet runs: the
 node agent's verified cache, unprivileged pods) or hostPath (privileged pods; a
@@ -353,8 +355,12 @@ def run(args: argparse.Namespace) -> int:
         for i in range(args.trials):
             for arm in ARMS if i % 2 == 0 else ARMS[::-1]:
                 res: dict[str, Any] = {}
+                # Every service back at one replica, not only this arm's: the other
+                # arm's second replica, still there for scaleDownDelay after its own
+                # trial, would take CPU from this one's new replica.
+                for each in ARMS:
+                    at_one(kube, ns, each)
                 if arm == "step-restore":
-                    at_one(kube, ns, arm)
                     na.read_all(root)
                     res = na.residency(root)
                 t = trial(kube, ns, arm, i)

@@ -100,12 +100,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "cache, unprivileged pods: what a fleet runs) or hostPath (privileged pods, each "
         "restore hashing the checkpoint in its pod)",
     )
-    p.add_argument(
-        "--node-agent-cpu",
-        default="",
-        help="--storage node: the node agent's CPU request (nodeAgent.resources.requests.cpu, "
-        "e.g. 500m); empty: the chart's default",
-    )
 
 
 class Load:
@@ -166,18 +160,15 @@ class NodeAgent:
     """The chart's node agent for --storage node, in a privileged namespace of its own
     with a fresh state directory (its cache: what the restore arm's trials warm)."""
 
-    def __init__(self, cpu_request: str = "") -> None:
+    def __init__(self) -> None:
         self.storage: dict[str, Any] = {"type": "node"}
-        self.values = (
-            ["--set", f"nodeAgent.resources.requests.cpu={cpu_request}"] if cpu_request else []
-        )
         self.state = Path(f"/var/lib/rekindle-cluster/bench-step-node-{uuid.uuid4().hex[:6]}")
         self.entries = self.state / "cache" / "entries"
         self.ns = ""
 
     def start(self) -> None:
         self.ns = na.namespace("bench-step-node", "privileged")
-        na.node_agent(self.ns, str(self.state), self.values)
+        na.node_agent(self.ns, str(self.state))
 
     def stop(self) -> None:
         if self.ns:
@@ -286,13 +277,7 @@ def markdown(doc: dict[str, Any]) -> str:
     ]
     return (
         "# Load step: a second replica under load, restored vs booted\n\n"
-        f"Checkpoints (both arms): {STORAGE_SAID[doc.get('storage', 'hostPath')]}"
-        + (
-            f"; the node agent requests {cpu} CPU"
-            if (cpu := doc.get("node_agent_cpu_request"))
-            else ""
-        )
-        + ".\n\n"
+        f"Checkpoints (both arms): {STORAGE_SAID[doc.get('storage', 'hostPath')]}.\n\n"
         + md_table(head, rows)
         + f"\nFrom the step: boot / restore {s['boot_over_restore_from_step']}x "
         f"(target 10x: {verdict[s['target_met_from_step']]}); the replica's own start, from "
@@ -349,7 +334,7 @@ def run(args: argparse.Namespace) -> int:
     kube, ns, host = sfz.open_namespace("bench-step")
     auto = {"minReplicas": 1, "maxReplicas": 2, "target": TARGET,
             "scaleDownDelay": SCALE_DOWN_DELAY_S}  # fmt: skip
-    nodes = NodeAgent(args.node_agent_cpu) if args.storage == "node" else None
+    nodes = NodeAgent() if args.storage == "node" else None
     storage = nodes.storage if nodes else {"type": "hostPath", "hostPath": {"path": host}}
     trials: list[dict[str, Any]] = []
     try:
@@ -411,7 +396,6 @@ def run(args: argparse.Namespace) -> int:
             "step-boot": "the same with restorePolicy Never: the second replica boots",
         },
         "storage": args.storage,
-        "node_agent_cpu_request": args.node_agent_cpu if nodes else None,
         "load": f"{CLIENTS} closed-loop clients through the front, {MAX_TOKENS} tokens each "
         f"(ignore_eos); target {TARGET} requests per replica; both arms with "
         "VLLM_CPU_OMP_THREADS_BIND=nobind (pinned, every replica shares core 0)",

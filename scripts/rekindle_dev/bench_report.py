@@ -813,15 +813,31 @@ step to the scale decision and to the new replica's first token (asked of that
 pod itself); "from the decision" is the replica's own start, without the
 autoscaler's reaction. Issue 25's target: the step served by a restored replica
 at least 10x sooner than by a booted one. Checkpoint files read whole before
-each restore trial (residency in the file), arms interleaved. Both replicas
-share this machine's two cores with the load, the front, KEDA and the control
-plane: the load saturates them (load average 10 at the end), and a pod's start
-around the agent (scheduling, sandbox, container start: the gap between the
-agent's own ready time and the pod's Ready) took 5-43 s under it, in both
-arms. vLLM's OpenMP threads run unpinned in both arms: pinned (vLLM's default),
-every one-rank replica here binds them to core 0, and a booting replica beside
-the loaded one gave no first token within 900 s, where a restore answered in
-19 s (one trial each, commit 33568cc).
+each restore trial (residency in the file), arms interleaved, each trial
+starting with both services back at one replica. Both replicas share this
+machine's two cores with the load, the front, KEDA and the control plane: the
+load saturates them (load average ~10). vLLM's OpenMP threads run unpinned in
+both arms: pinned (vLLM's default), every one-rank replica here binds them to
+core 0, and a booting replica beside the loaded one gave no first token within
+900 s, where a restore answered in 19 s (one trial each, commit 33568cc).
+
+Storage, and what the runs show. This file: storage type node (the node
+agent's verified cache, unprivileged pods), 3.6x. The same day with hostPath
+(privileged pods; `--storage hostPath`, commit 763cfa5, before the arms were
+kept apart, dirty: the bench script was being edited during the run): restore
+16.4 / 43.0 / 19.6 s, boot 124.2 / 99.5 / 140.0 s, 6.3x. The earlier hostPath
+run (commit e51bcf2, another day): 12.9 vs 103.3 s, 8.0x. In every run the
+restored replica spends most of its time outside its agent: from the decision
+to the pod's Ready, less the agent's own start-to-Ready, 8-32 s (hostPath) and
+13-28 s (node), where the agent itself took 4-5 s (hostPath) and 5-11 s
+(node). With storage node the restore's CRIU phase takes 1.3-7.2 s under this
+load against 1.1-1.5 s with hostPath: the node agent runs CRIU for the pod,
+and the chart leaves the node agent without a CPU request, so it is the one
+BestEffort pod on a node whose other pods are Burstable and gets the smallest
+CPU share of all exactly when a replica must restore. A 100m request, tried,
+left the loaded node no room for the second replica (every node here has 2
+CPUs allocatable; each replica requests 500m; the second replica is tied to
+the node holding the checkpoint): not measured.
 
 """
 

@@ -831,10 +831,12 @@ restored replica spends most of its time outside its agent: from the decision
 to the pod's Ready, less the agent's own start-to-Ready, 8-32 s (hostPath) and
 13-28 s (node), where the agent itself took 4-5 s (hostPath) and 5-11 s
 (node). With storage node the restore's CRIU phase takes 1.3-7.2 s under this
-load against 1.1-1.5 s with hostPath: the node agent runs CRIU for the pod,
-and the chart leaves the node agent without a CPU request, so it is the one
-BestEffort pod on a node whose other pods are Burstable and gets the smallest
-CPU share of all exactly when a replica must restore. A 100m request, tried,
+load against 1.1-1.5 s with hostPath. CRIU runs in the restoring pod's
+cgroups, but the node agent's own work around it (the request, the cache
+entry, starting CRIU) does not, and the chart leaves the node agent without a
+CPU request: the one BestEffort pod on a node whose other pods are Burstable,
+with the smallest CPU share of all exactly when a replica must restore (the
+likely cause, not yet proven). A 100m request, tried,
 left the loaded node no room for the second replica (every node here has 2
 CPUs allocatable; each replica requests 500m; the second replica is tied to
 the node holding the checkpoint): not measured.

@@ -824,7 +824,8 @@ core 0, and a booting replica beside the loaded one gave no first token within
 Storage, and what the runs show. This file: storage type node (the node
 agent's verified cache, unprivileged pods), 3.6x. The same day with hostPath
 (privileged pods; `--storage hostPath`, commit 763cfa5, before the arms were
-kept apart, dirty: the bench script was being edited during the run): restore
+kept apart, dirty: the bench script was being edited during the run;
+docs/bench/load-step/hostpath-763cfa5.json): restore
 16.4 / 43.0 / 19.6 s, boot 124.2 / 99.5 / 140.0 s, 6.3x. The earlier hostPath
 run (commit e51bcf2, another day): 12.9 vs 103.3 s, 8.0x. In every run the
 restored replica spends most of its time outside its agent: from the decision
